@@ -1,0 +1,246 @@
+"""`afd-ctl serve | status | workers | watch | stop`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+
+from afd_ctl import __version__
+from afd_ctl.channel import DEFAULT_CONTROLLER, ClientTls, auth_metadata, open_channel
+from afd_ctl.config import DaemonConfig
+from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+
+ROLE_NAMES = {"attention": afd_pb2.ATTENTION, "ffn": afd_pb2.FFN, "all": afd_pb2.ROLE_UNSPECIFIED}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afd-ctl",
+        description="Control plane for Attention-FFN disaggregated MoE serving.",
+    )
+    parser.add_argument("--version", action="version", version=f"afd-ctl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the afd-ctl daemon. Every flag can also be set as AFD_CTL_<FLAG> "
+        "(for example AFD_CTL_EXPECT_FFN=2); flags win.",
+    )
+    serve.add_argument("--listen", help="HOST:PORT or unix:PATH (default 127.0.0.1:50051)")
+    serve.add_argument("--expect-attention", type=int, metavar="M", help="attention workers (1)")
+    serve.add_argument("--expect-ffn", type=int, metavar="N", help="FFN workers (1)")
+    serve.add_argument(
+        "--liveness-timeout-s",
+        type=float,
+        metavar="S",
+        help="declare a silent worker lost within S seconds (2.0)",
+    )
+    serve.add_argument(
+        "--subscriber-queue", type=int, metavar="K", help="messages queued per worker (4096)"
+    )
+    serve.add_argument(
+        "--max-blob-bytes", type=int, metavar="B", help="data-plane blob limit (1 MiB)"
+    )
+    serve.add_argument(
+        "--drain-grace-s", type=float, metavar="S", help="SIGTERM/stop grace before exit (5.0)"
+    )
+    serve.add_argument("--metrics-port", type=int, help="Prometheus text on this port (0: off)")
+    serve.add_argument("--metrics-host", help="bind address for metrics (127.0.0.1)")
+    serve.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
+    serve.add_argument("--tls-key", metavar="PEM", help="server private key")
+    serve.add_argument("--tls-client-ca", metavar="PEM", help="require client certs (mTLS)")
+    serve.add_argument("--auth-token", help="require 'authorization: Bearer TOKEN' metadata")
+    serve.add_argument("--log-level", help="DEBUG, INFO (default), WARNING")
+
+    def client_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--controller",
+            default=os.environ.get("AFD_CTL_CONTROLLER", DEFAULT_CONTROLLER),
+            help="daemon address HOST:PORT or unix:PATH (env AFD_CTL_CONTROLLER)",
+        )
+        p.add_argument(
+            "--token", default=os.environ.get("AFD_CTL_AUTH_TOKEN", ""), help="bearer token"
+        )
+        p.add_argument(
+            "--tls-ca", default=os.environ.get("AFD_CTL_TLS_CA", ""), help="CA of the daemon"
+        )
+        p.add_argument("--tls-cert", default="", help="client certificate (mTLS)")
+        p.add_argument("--tls-key", default="", help="client key (mTLS)")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (5)")
+
+    status = sub.add_parser("status", help="health, epoch, workers per role, steps, lag")
+    client_flags(status)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    workers = sub.add_parser("workers", help="list registered workers")
+    client_flags(workers)
+    workers.add_argument("--role", choices=sorted(ROLE_NAMES), default="all")
+    workers.add_argument("--json", action="store_true")
+    watch = sub.add_parser("watch", help="print membership events (and payloads) live")
+    client_flags(watch)
+    watch.add_argument("--payloads", action="store_true", help="also print every payload")
+    watch.add_argument("--count", type=int, default=0, help="exit after this many events")
+    watch.add_argument("--json", action="store_true")
+    stop = sub.add_parser("stop", help="drain the daemon: STOP to every worker, then exit")
+    client_flags(stop)
+    stop.add_argument("--reason", default="", help="recorded in the STOP event")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return run_serve(args)
+        return run_client_command(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        config = DaemonConfig.resolve(flags)
+    except ValueError as exc:
+        print(f"afd-ctl serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger(__name__).info("config: %s", config.describe())
+    from afd_ctl.server import serve
+
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"afd-ctl serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_client_command(args: argparse.Namespace) -> int:
+    tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    channel = open_channel(args.controller, tls)
+    stub = afd_pb2_grpc.AFDInspectStub(channel)
+    metadata = auth_metadata(args.token)
+    try:
+        if args.command == "status":
+            status = stub.GetStatus(
+                afd_pb2.GetStatusRequest(), timeout=args.timeout, metadata=metadata
+            )
+            print(to_json(status) if args.json else format_status(status))
+        elif args.command == "workers":
+            reply = stub.ListWorkers(
+                afd_pb2.ListWorkersRequest(role=ROLE_NAMES[args.role]),
+                timeout=args.timeout,
+                metadata=metadata,
+            )
+            print(to_json(reply) if args.json else format_workers(reply.workers))
+        elif args.command == "watch":
+            seen = 0
+            for event in stub.Tap(
+                afd_pb2.TapRequest(include_payloads=args.payloads), metadata=metadata
+            ):
+                print(to_json(event, indent=None) if args.json else format_tap(event), flush=True)
+                seen += 1
+                if args.count and seen >= args.count:
+                    break
+        elif args.command == "stop":
+            reply = stub.Stop(
+                afd_pb2.StopRequest(reason=args.reason), timeout=args.timeout, metadata=metadata
+            )
+            print(f"draining: STOP sent to {reply.ffn_workers_told} FFN worker(s)")
+    except grpc.RpcError as exc:
+        code = exc.code()
+        hint = ""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            hint = f"; is `afd-ctl serve` running at {args.controller}?"
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            hint = "; pass --token or set AFD_CTL_AUTH_TOKEN"
+        print(f"afd-ctl {args.command}: {code.name}: {exc.details()}{hint}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    return 0
+
+
+def to_json(message: object, indent: int | None = 2) -> str:
+    data = json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[arg-type]
+    return json.dumps(data, indent=indent, sort_keys=True)
+
+
+def format_status(status: afd_pb2.Status) -> str:
+    lines = [
+        f"health      {status.health}",
+        f"epoch       {status.epoch}   (incarnation {status.controller_incarnation})",
+        f"listen      {status.listen}   uptime {status.uptime_s:.0f} s",
+        f"steps       {status.steps_relayed} relayed, last step id {status.last_step_id}, "
+        f"{status.payloads_rejected} rejected",
+        "",
+        f"{'ROLE':<10} {'REGISTERED':>10} {'EXPECTED':>9}",
+    ]
+    for role in status.roles:
+        lines.append(
+            f"{afd_pb2.Role.Name(role.role).lower():<10} {role.registered:>10} {role.expected:>9}"
+        )
+    if status.subscribers:
+        lines += ["", f"{'SUBSCRIBER':<28} {'QUEUED':>7} {'CAPACITY':>9} {'LAST STEP':>10}"]
+        for sub in status.subscribers:
+            lines.append(
+                f"{sub.worker_id:<28} {sub.queued:>7} {sub.queue_capacity:>9} {sub.last_step_id:>10}"
+            )
+    return "\n".join(lines)
+
+
+def format_workers(workers: Sequence[afd_pb2.WorkerInfo]) -> str:
+    if not workers:
+        return "no workers registered"
+    lines = [f"{'ROLE':<10} {'RANK':>4} {'DP':>5} {'TP':>5}  {'WORKER ID':<28} {'PEER':<24} AGE"]
+    now = time.time()
+    for w in workers:
+        lines.append(
+            f"{afd_pb2.Role.Name(w.role).lower():<10} {w.role_rank:>4} "
+            f"{w.dp_rank}/{w.dp_size:<3} {w.tp_rank}/{w.tp_size:<3}  {w.worker_id:<28} "
+            f"{w.peer:<24} {now - w.registered_at_s:.0f}s"
+        )
+    return "\n".join(lines)
+
+
+def format_tap(event: afd_pb2.TapEvent) -> str:
+    if event.WhichOneof("event") == "payload":
+        p = event.payload
+        stages = " ".join(
+            f"s{i}={list(p.stages[i].num_tokens_across_dp)}" for i in sorted(p.stages)
+        )
+        flags = [
+            name
+            for name in (
+                "is_warmup",
+                "is_graph_capturing",
+                "is_graph_replaying",
+                "is_profile",
+                "stop",
+            )
+            if getattr(p, name)
+        ]
+        return f"payload step={p.step_id} epoch={p.epoch} from={p.sender_role_rank} {stages} {' '.join(flags)}".rstrip()
+    e = event.membership
+    who = ""
+    if e.HasField("worker"):
+        who = f" {afd_pb2.Role.Name(e.worker.role).lower()} rank {e.worker.role_rank} ({e.worker.worker_id})"
+    kind = afd_pb2.MembershipEvent.Kind.Name(e.kind)
+    return f"event {kind}{who} epoch={e.view.epoch} complete={e.view.complete} {e.reason}".rstrip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""The worker side of afd-ctl: register, publish, receive payloads, learn of membership changes.
+
+Plain threads, no asyncio (vLLM workers are not asyncio). One background thread reads the
+worker's Session stream; it keeps reconnecting with backoff when the daemon goes away and
+re-registers under the same identity. Attention senders publish on one long-lived stream fed
+by a queue, so `publish` never blocks the step. FFN workers take payloads with
+`next_payload(timeout_s)`. Membership changes surface as typed exceptions, in stream order:
+
+    client = ControllerClient("10.0.0.1:50051", WorkerSpec("ffn-0", "FFN"), data_plane_blob=blob)
+    client.connect(timeout_s=30)
+    view = client.wait_complete(timeout_s=120)
+    while True:
+        try:
+            payload = client.next_payload(timeout_s=5)
+        except AfdPeerLost:
+            view = client.wait_complete(timeout_s=120)   # reconnect the data plane to view.peers
+        except AfdStopped:
+            break
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from afd_ctl.channel import DEFAULT_CONTROLLER, ClientTls, auth_metadata, open_channel
+from afd_ctl.errors import (
+    AfdControllerUnreachable,
+    AfdError,
+    AfdNotReady,
+    AfdPeerLost,
+    AfdRejected,
+    AfdStaleEpoch,
+    AfdStopped,
+    AfdTimeout,
+)
+from afd_ctl.membership import WorkerSpec
+from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+from afd_ctl.wire import ROLE_TO_PROTO, WORKER_ID_METADATA
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ControllerClient", "WorkerSpec", "ClientTls", "DEFAULT_CONTROLLER"]
+
+# Registration refusals that retrying cannot fix.
+PERMANENT_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+Kind = afd_pb2.MembershipEvent.Kind
+EventListener = Callable[[afd_pb2.MembershipEvent], None]
+
+
+def _rejection(code_value: int, message: str) -> AfdRejected:
+    name = next((c.name for c in grpc.StatusCode if c.value[0] == code_value), str(code_value))
+    if name == "FAILED_PRECONDITION" and "epoch" in message:
+        return AfdStaleEpoch(name, message)
+    return AfdRejected(name, message)
+
+
+class ControllerClient:
+    def __init__(
+        self,
+        target: str,
+        spec: WorkerSpec,
+        *,
+        data_plane_blob: bytes = b"",
+        token: str = "",
+        tls: ClientTls | None = None,
+        liveness_timeout_s: float = 2.0,
+    ) -> None:
+        self.target = target
+        self.spec = spec
+        self.data_plane_blob = data_plane_blob or spec.data_plane_blob
+        self._metadata = auth_metadata(token)
+        self._channel = open_channel(target, tls, liveness_timeout_s)
+        self._stub = afd_pb2_grpc.AFDControllerStub(self._channel)
+        self._cond = threading.Condition()
+        self._payloads: queue.SimpleQueue[afd_pb2.AFDControlPayload | AfdError] = (
+            queue.SimpleQueue()
+        )
+        self._listeners: list[EventListener] = []
+        # Guarded by _cond:
+        self._registered: afd_pb2.Registered | None = None
+        self._view: afd_pb2.View | None = None
+        self._unreachable: AfdControllerUnreachable | None = None
+        self._fatal: AfdError | None = None
+        self._stopped: AfdStopped | None = None
+        self._lost: AfdPeerLost | None = None
+        self._was_complete = False
+        self._closing = False
+        self._session_call: grpc.Call | None = None
+        self._session_thread: threading.Thread | None = None
+        # Publishing (attention senders):
+        self._rejections: deque[AfdRejected] = deque()
+        self._publish_queue: queue.SimpleQueue[afd_pb2.AFDControlPayload | None] | None = None
+        self._publish_call: grpc.Call | None = None
+        self._publish_lock = threading.Lock()
+
+    # -- registration --------------------------------------------------------------------
+    def connect(self, timeout_s: float = 30.0) -> afd_pb2.Registered:
+        """Registers (retrying while the daemon is unreachable or the slot is still held)."""
+        if self._session_thread is None:
+            self._session_thread = threading.Thread(
+                target=self._session_loop, name=f"afd-session-{self.spec.worker_id}", daemon=True
+            )
+            self._session_thread.start()
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._registered is None:
+                if self._fatal is not None:
+                    raise self._fatal
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = f": {self._unreachable}" if self._unreachable else ""
+                    raise AfdTimeout(
+                        f"could not register with afd-ctl at {self.target} within "
+                        f"{timeout_s:.1f} s{why}; is `afd-ctl serve` running there?"
+                    )
+                self._cond.wait(remaining)
+            return self._registered
+
+    def wait_complete(self, timeout_s: float = 60.0) -> afd_pb2.View:
+        """Blocks until every expected worker is registered; returns the current view."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._fatal is not None:
+                    raise self._fatal
+                if self._stopped is not None:
+                    raise self._stopped
+                view = self._view
+                if view is not None and view.complete and self._unreachable is None:
+                    return view
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AfdTimeout(self._incomplete_message(f"after {timeout_s:.1f} s"))
+                self._cond.wait(remaining)
+
+    def _incomplete_message(self, when: str) -> str:
+        if self._unreachable is not None:
+            return f"{self._unreachable} ({when})"
+        view = self._view
+        if view is None:
+            return f"not registered with afd-ctl at {self.target} {when}"
+        return (
+            f"the expected set ({view.expected_attention} attention, {view.expected_ffn} ffn) "
+            f"is incomplete {when}; `afd-ctl status --controller {self.target}` shows who is "
+            "missing"
+        )
+
+    @property
+    def view(self) -> afd_pb2.View:
+        with self._cond:
+            if self._view is None:
+                raise AfdNotReady("not registered yet: call connect() first")
+            return self._view
+
+    @property
+    def registered(self) -> afd_pb2.Registered:
+        with self._cond:
+            if self._registered is None:
+                raise AfdNotReady("not registered yet: call connect() first")
+            return self._registered
+
+    @property
+    def role_rank(self) -> int:
+        return self.registered.worker.role_rank
+
+    @property
+    def is_sender(self) -> bool:
+        return self.registered.is_sender
+
+    def add_listener(self, listener: EventListener) -> None:
+        """`listener(event)` runs on the session thread for every membership event."""
+        self._listeners.append(listener)
+
+    # -- the session thread --------------------------------------------------------------
+    def _session_loop(self) -> None:
+        spec = self.spec
+        request = afd_pb2.RegisterRequest(
+            role=ROLE_TO_PROTO.get(spec.role, afd_pb2.ROLE_UNSPECIFIED),
+            dp_rank=spec.dp_rank,
+            dp_size=spec.dp_size,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            worker_id=spec.worker_id,
+            data_plane_blob=self.data_plane_blob,
+        )
+        backoff = BACKOFF_MIN_S
+        while True:
+            with self._cond:
+                if self._closing or self._stopped is not None:
+                    return
+                call = self._stub.Session(request, metadata=self._metadata)
+                self._session_call = call
+            registered_here = False
+            error: grpc.RpcError | None = None
+            try:
+                for message in call:
+                    registered_here = True
+                    backoff = BACKOFF_MIN_S
+                    self._handle(message)
+            except grpc.RpcError as exc:
+                error = exc
+            with self._cond:
+                if self._closing or self._stopped is not None:
+                    return
+                code = error.code() if error is not None else grpc.StatusCode.OK
+                details = error.details() if error is not None else "stream ended"
+                if not registered_here and code in PERMANENT_CODES:
+                    self._fatal = AfdRejected(code.name, details)
+                    log.error("afd-ctl refused registration: %s: %s", code.name, details)
+                    self._cond.notify_all()
+                    return
+                self._unreachable = AfdControllerUnreachable(
+                    f"afd-ctl at {self.target} unreachable ({code.name}: {details}); "
+                    "reconnecting in the background"
+                )
+                if registered_here:
+                    log.warning("%s", self._unreachable)
+                    self._payloads.put(self._unreachable)
+                self._cond.notify_all()
+                delay = backoff * (1 + random.random() / 2)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                self._cond.wait(delay)
+
+    def _handle(self, message: afd_pb2.SessionMessage) -> None:
+        which = message.WhichOneof("message")
+        if which == "payload":
+            payload = message.payload
+            if payload.stop:
+                self._stop(f"the attention side sent stop at step {payload.step_id}")
+            else:
+                self._payloads.put(payload)
+            return
+        if which == "registered":
+            with self._cond:
+                again = self._registered is not None
+                self._registered = message.registered
+                self._view = message.registered.view
+                self._unreachable = None
+                self._note_view()
+                self._cond.notify_all()
+            log.info(
+                "%s afd-ctl as %s rank %d, epoch %d",
+                "re-registered with" if again else "registered with",
+                self.spec.role.lower(),
+                message.registered.worker.role_rank,
+                message.registered.view.epoch,
+            )
+            return
+        event = message.event
+        with self._cond:
+            self._view = event.view
+            if event.kind == Kind.PEER_LOST:
+                lost = event.worker
+                self._lost = AfdPeerLost(
+                    f"afd peer lost: {afd_pb2.Role.Name(lost.role).lower()} rank "
+                    f"{lost.role_rank} ({lost.worker_id}): {event.reason}; now epoch "
+                    f"{event.view.epoch}, waiting for a replacement"
+                )
+                self._payloads.put(self._lost)
+            self._note_view()
+            self._cond.notify_all()
+        if event.kind == Kind.STOP:
+            self._stop(f"afd-ctl sent stop: {event.reason}")
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not kill the session thread
+                log.exception("membership listener failed")
+
+    def _note_view(self) -> None:
+        if self._view is not None and self._view.complete:
+            self._was_complete = True
+            self._lost = None
+
+    def _stop(self, reason: str) -> None:
+        with self._cond:
+            if self._stopped is None:
+                self._stopped = AfdStopped(reason)
+                self._payloads.put(self._stopped)
+                log.info("stopped: %s", reason)
+            self._cond.notify_all()
+
+    # -- FFN side ------------------------------------------------------------------------
+    def next_payload(self, timeout_s: float) -> afd_pb2.AFDControlPayload:
+        """The next payload for this worker, in order, or a typed exception:
+
+        AfdStopped (exit cleanly), AfdPeerLost (call wait_complete, reconnect the data plane),
+        AfdControllerUnreachable (the client is reconnecting), AfdTimeout (nothing came)."""
+        try:
+            item = self._payloads.get_nowait()
+        except queue.Empty:
+            self._raise_condition()
+            try:
+                item = self._payloads.get(timeout=timeout_s)
+            except queue.Empty:
+                self._raise_condition()
+                raise AfdTimeout(
+                    f"no payload from afd-ctl within {timeout_s:.3f} s "
+                    f"(epoch {self._view.epoch if self._view else '-'})"
+                ) from None
+        if isinstance(item, AfdError):
+            raise item
+        return item
+
+    def _raise_condition(self) -> None:
+        """Raises what keeps this worker from making progress now, if anything."""
+        with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
+            if self._stopped is not None:
+                raise self._stopped
+            if self._closing:
+                raise AfdError("the client is closed")
+            if self._unreachable is not None:
+                raise self._unreachable
+            if self._view is None:
+                raise AfdNotReady("not registered yet: call connect() first")
+            if not self._view.complete:
+                if self._lost is not None and self._was_complete:
+                    raise self._lost
+                raise AfdNotReady(self._incomplete_message("now") + "; call wait_complete()")
+
+    # -- attention side ------------------------------------------------------------------
+    def publish(self, payload: afd_pb2.AFDControlPayload, *, stamp: bool = True) -> None:
+        """Queues `payload` on the publish stream and returns at once (ordered delivery).
+
+        With stamp=True the current epoch and this worker's role rank are filled in. A payload
+        the daemon refused surfaces as AfdRejected (AfdStaleEpoch for an old epoch) on the next
+        call, naming the field."""
+        if self._rejections:
+            raise self._rejections.popleft()
+        if not payload.stop:
+            self._raise_condition()
+        if stamp:
+            with self._cond:
+                view, registered = self._view, self._registered
+            if view is None or registered is None:
+                raise AfdNotReady("not registered yet: call connect() first")
+            payload.epoch = view.epoch
+            payload.sender_role_rank = registered.worker.role_rank
+        self._publish_stream().put(payload)
+
+    def _publish_stream(self) -> queue.SimpleQueue[afd_pb2.AFDControlPayload | None]:
+        with self._publish_lock:
+            if self._publish_queue is not None:
+                return self._publish_queue
+            requests: queue.SimpleQueue[afd_pb2.AFDControlPayload | None] = queue.SimpleQueue()
+            metadata = (*self._metadata, (WORKER_ID_METADATA, self.spec.worker_id))
+            call = self._stub.Publish(_drain(requests), metadata=metadata)
+            self._publish_queue, self._publish_call = requests, call
+            threading.Thread(
+                target=self._read_acks, args=(call, requests), name="afd-publish-acks", daemon=True
+            ).start()
+            return requests
+
+    def _read_acks(self, call: Iterator[afd_pb2.PublishAck], requests: queue.SimpleQueue) -> None:
+        try:
+            for ack in call:
+                self._rejections.append(_rejection(ack.rejected.code, ack.rejected.message))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.warning("publish stream ended: %s: %s", exc.code().name, exc.details())
+                if exc.code() in PERMANENT_CODES:
+                    self._rejections.append(AfdRejected(exc.code().name, exc.details() or ""))
+        with self._publish_lock:
+            if self._publish_queue is requests:
+                self._publish_queue = None
+                self._publish_call = None
+        requests.put(None)
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Half-closes the publish stream and waits until the daemon has read everything;
+        raises the first rejection, if any. The next publish opens a new stream."""
+        with self._publish_lock:
+            requests, call = self._publish_queue, self._publish_call
+        if requests is None or call is None:
+            if self._rejections:
+                raise self._rejections.popleft()
+            return
+        requests.put(None)
+        deadline = time.monotonic() + timeout_s
+        while not call.done():  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                raise AfdTimeout(f"publish stream not drained within {timeout_s:.1f} s")
+            time.sleep(0.002)
+        time.sleep(0.01)  # let the ack reader append what it read
+        if self._rejections:
+            raise self._rejections.popleft()
+
+    # -- shutdown ------------------------------------------------------------------------
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Ends the session (the daemon sees this worker leave) and the publish stream."""
+        with self._cond:
+            self._closing = True
+            call = self._session_call
+            self._cond.notify_all()
+        with self._publish_lock:
+            if self._publish_queue is not None:
+                self._publish_queue.put(None)
+        if call is not None:
+            call.cancel()  # type: ignore[attr-defined]
+        if self._session_thread is not None:
+            self._session_thread.join(timeout_s)
+        self._channel.close()
+
+    def __enter__(self) -> ControllerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drain(requests: queue.SimpleQueue[afd_pb2.AFDControlPayload | None]) -> Iterator:
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        yield item

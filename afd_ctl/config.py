@@ -1,0 +1,113 @@
+"""Daemon configuration: one frozen dataclass, built from flags, then AFD_CTL_* variables,
+then defaults, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+ENV_PREFIX = "AFD_CTL_"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Settings of `afd-ctl serve`. Each field can be set as --flag-name or AFD_CTL_FIELD_NAME."""
+
+    listen: str = DEFAULT_LISTEN
+    expect_attention: int = 1
+    expect_ffn: int = 1
+    # A worker whose session ends or whose keepalive fails is declared lost within this bound.
+    liveness_timeout_s: float = 2.0
+    # Messages queued per worker session before a slow subscriber is cut off.
+    subscriber_queue: int = 4096
+    max_blob_bytes: int = 1 << 20
+    # Time the daemon gives workers to hang up after STOP on SIGTERM/SIGINT or `afd-ctl stop`.
+    drain_grace_s: float = 5.0
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_token: str = ""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.expect_attention < 1 or self.expect_ffn < 1:
+            raise ValueError(
+                "--expect-attention and --expect-ffn must be >= 1 "
+                f"(got {self.expect_attention} and {self.expect_ffn})"
+            )
+        if not 0.2 <= self.liveness_timeout_s <= 600:
+            raise ValueError(
+                f"--liveness-timeout-s must be in [0.2, 600], got {self.liveness_timeout_s}"
+            )
+        if self.subscriber_queue < 8:
+            raise ValueError(f"--subscriber-queue must be >= 8, got {self.subscriber_queue}")
+        if not 0 < self.max_blob_bytes <= 1 << 20:
+            raise ValueError(f"--max-blob-bytes must be in (0, 1 MiB], got {self.max_blob_bytes}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(
+                f"--metrics-port must be a TCP port or 0 (off), got {self.metrics_port}"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key as well")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
+        parse_listen(self.listen)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def describe(self) -> str:
+        """One log line; the token itself is never logged."""
+        shown = dataclasses.asdict(self)
+        shown["auth_token"] = "set" if self.auth_token else "unset"
+        return " ".join(f"{k}={v}" for k, v in shown.items())
+
+    @classmethod
+    def resolve(
+        cls, flags: Mapping[str, object], environ: Mapping[str, str] | None = None
+    ) -> DaemonConfig:
+        """Flags (None = not given) win over AFD_CTL_* variables, which win over defaults."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            given = flags.get(field.name)
+            if given is not None:
+                values[field.name] = given
+                continue
+            raw = environ.get(ENV_PREFIX + field.name.upper())
+            if raw is None or raw == "":
+                continue
+            kind = type(field.default)
+            try:
+                values[field.name] = kind(raw)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {kind.__name__}"
+                ) from exc
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def parse_listen(listen: str) -> tuple[str, int | None]:
+    """Returns (host, port) for host:port, or (unix_path, None) for unix:PATH."""
+    if listen.startswith("unix:"):
+        path = listen[len("unix:") :]
+        if not path:
+            raise ValueError("--listen unix:PATH needs a path")
+        return path, None
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--listen must be HOST:PORT or unix:PATH, got {listen!r}")
+    return host.strip("[]"), int(port)

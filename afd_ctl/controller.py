@@ -1,0 +1,295 @@
+"""The daemon's state and behaviour, free of gRPC.
+
+`Controller` owns the membership, one outgoing mailbox per worker session and per tap, and the
+step relay: it validates each published payload and fans it out to the FFN workers its sender
+serves. Messages are protobuf objects; the servicer only moves them on and off the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from afd_ctl.config import DaemonConfig
+from afd_ctl.errors import ControlError
+from afd_ctl.mailbox import Mailbox
+from afd_ctl.membership import ATTENTION, FFN, ROLES, Membership, Worker, WorkerSpec
+from afd_ctl.v1 import afd_pb2
+from afd_ctl.validation import validate_payload
+from afd_ctl.wire import ROLE_TO_PROTO
+
+log = logging.getLogger(__name__)
+
+Event = afd_pb2.MembershipEvent
+TAP_QUEUE = 4096
+
+
+@dataclass
+class Session:
+    worker: Worker
+    mailbox: Mailbox[afd_pb2.SessionMessage]
+
+
+@dataclass
+class Tap:
+    mailbox: Mailbox[afd_pb2.TapEvent]
+    include_payloads: bool
+
+
+class Controller:
+    def __init__(self, config: DaemonConfig, first_epoch: int | None = None) -> None:
+        self.config = config
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.started_at = time.monotonic()
+        self.membership = Membership(
+            config.expect_attention, config.expect_ffn, config.max_blob_bytes, first_epoch
+        )
+        self.sessions: dict[str, Session] = {}
+        self.taps: list[Tap] = []
+        self.draining = False
+        self.steps_relayed = 0
+        self.payloads_rejected = 0
+        self.last_step_id = 0
+        self.health_listeners: list[Callable[[str], None]] = []
+        self._targets: dict[int, list[Mailbox[afd_pb2.SessionMessage]]] = {}
+        self._targets_epoch = -1
+
+    # -- health --------------------------------------------------------------------------
+    @property
+    def health(self) -> str:
+        if self.draining:
+            return "DRAINING"
+        return "SERVING" if self.membership.complete else "NOT_SERVING"
+
+    def _health_changed(self) -> None:
+        health = self.health
+        for listener in self.health_listeners:
+            listener(health)
+
+    # -- sessions ------------------------------------------------------------------------
+    def open_session(self, spec: WorkerSpec, peer: str) -> Session:
+        if self.draining:
+            raise ControlError("UNAVAILABLE", "the daemon is draining and refuses registrations")
+        was_complete = self.membership.complete
+        worker = self.membership.join(spec, peer)
+        session = Session(worker, Mailbox(self.config.subscriber_queue))
+        self.sessions[worker.worker_id] = session
+        log.info(
+            "worker registered: %s from %s, epoch %d (%d/%d attention, %d/%d ffn)",
+            worker.describe(),
+            peer,
+            self.membership.epoch,
+            self.membership.count(ATTENTION),
+            self.membership.expected[ATTENTION],
+            self.membership.count(FFN),
+            self.membership.expected[FFN],
+        )
+        registered = afd_pb2.Registered(
+            worker=self.worker_info(worker),
+            view=self.view_for(worker),
+            is_sender=self.membership.is_sender(worker),
+        )
+        session.mailbox.offer(afd_pb2.SessionMessage(registered=registered))
+        self._broadcast(Event.PEER_JOINED, worker, "registered", skip=worker)
+        if self.membership.complete and not was_complete:
+            log.info("expected set complete, epoch %d: SERVING", self.membership.epoch)
+            self._broadcast(Event.SET_COMPLETE, None, "all expected workers registered")
+        self._health_changed()
+        return session
+
+    def close_session(self, session: Session, reason: str) -> None:
+        """The session's stream ended (hang-up, keepalive failure, cut-off)."""
+        worker = session.worker
+        if self.sessions.get(worker.worker_id) is session:
+            del self.sessions[worker.worker_id]
+        session.mailbox.close("CANCELLED", reason, discard=True)
+        if not self.membership.leave(worker, reason):
+            return
+        level = logging.INFO if self.draining else logging.WARNING
+        log.log(
+            level, "peer lost: %s: %s; epoch %d", worker.describe(), reason, self.membership.epoch
+        )
+        self._broadcast(Event.PEER_LOST, worker, reason)
+        self._health_changed()
+
+    def _cut_off(self, session: Session, reason: str) -> None:
+        session.mailbox.close("RESOURCE_EXHAUSTED", reason, discard=True)
+        self.close_session(session, reason)
+
+    # -- the step relay ------------------------------------------------------------------
+    def publish(self, worker_id: str, payload: afd_pb2.AFDControlPayload) -> None:
+        """Validates `payload` from `worker_id` and queues it for its FFN subscribers."""
+        session = self.sessions.get(worker_id)
+        try:
+            if session is None:
+                raise ControlError(
+                    "FAILED_PRECONDITION",
+                    f"afd-worker-id {worker_id!r} has no live session; register first "
+                    "(or again, after it was lost)",
+                )
+            sender = session.worker
+            validate_payload(
+                payload,
+                sender=sender,
+                is_sender=self.membership.is_sender(sender),
+                epoch=self.membership.epoch,
+                attention_dp_size=self.membership.attention_dp_size,
+            )
+            if not self.membership.complete and not payload.stop:
+                raise ControlError(
+                    "UNAVAILABLE",
+                    f"the expected set is incomplete at epoch {self.membership.epoch}: "
+                    "wait for SET_COMPLETE before publishing",
+                )
+        except ControlError:
+            self.payloads_rejected += 1
+            raise
+        sender.last_step_id = payload.step_id
+        self.last_step_id = payload.step_id
+        self.steps_relayed += 1
+        message = afd_pb2.SessionMessage(payload=payload)
+        for mailbox in self._targets_of(sender):
+            if mailbox.offer(message):
+                mailbox.last_step_id = payload.step_id
+            else:
+                self._cut_off_mailbox(mailbox)
+        if self.taps:
+            self._tap(afd_pb2.TapEvent(payload=payload), payloads=True)
+
+    def _targets_of(self, sender: Worker) -> list[Mailbox[afd_pb2.SessionMessage]]:
+        if self._targets_epoch != self.membership.epoch:
+            self._targets.clear()
+            self._targets_epoch = self.membership.epoch
+        targets = self._targets.get(sender.role_rank)
+        if targets is None:
+            targets = [
+                self.sessions[w.worker_id].mailbox
+                for w in self.membership.subscribers_of(sender)
+                if w.worker_id in self.sessions
+            ]
+            self._targets[sender.role_rank] = targets
+        return targets
+
+    def _cut_off_mailbox(self, mailbox: Mailbox[afd_pb2.SessionMessage]) -> None:
+        for session in list(self.sessions.values()):
+            if session.mailbox is mailbox:
+                self._cut_off(
+                    session,
+                    f"fell behind: {mailbox.capacity} messages queued and unread "
+                    f"(last delivered step {mailbox.last_step_id}); cut off",
+                )
+
+    # -- events --------------------------------------------------------------------------
+    def _broadcast(
+        self, kind: int, worker: Worker | None, reason: str, skip: Worker | None = None
+    ) -> None:
+        info = self.worker_info(worker) if worker is not None else None
+        for session in list(self.sessions.values()):
+            if session.worker is skip:
+                continue
+            event = Event(kind=kind, reason=reason, view=self.view_for(session.worker))
+            if info is not None:
+                event.worker.CopyFrom(info)
+            if not session.mailbox.offer(afd_pb2.SessionMessage(event=event)):
+                self._cut_off(session, "fell behind: membership event could not be queued")
+        if self.taps:
+            event = Event(kind=kind, reason=reason)
+            if info is not None:
+                event.worker.CopyFrom(info)
+            event.view.epoch = self.membership.epoch
+            event.view.complete = self.membership.complete
+            self._tap(afd_pb2.TapEvent(membership=event), payloads=False)
+
+    def _tap(self, event: afd_pb2.TapEvent, payloads: bool) -> None:
+        for tap in list(self.taps):
+            if payloads and not tap.include_payloads:
+                continue
+            if not tap.mailbox.offer(event):
+                tap.mailbox.close(
+                    "RESOURCE_EXHAUSTED", f"tap fell behind: {tap.mailbox.capacity} events queued"
+                )
+                self.taps.remove(tap)
+
+    def add_tap(self, include_payloads: bool) -> Tap:
+        tap = Tap(Mailbox(TAP_QUEUE), include_payloads)
+        self.taps.append(tap)
+        return tap
+
+    def remove_tap(self, tap: Tap) -> None:
+        if tap in self.taps:
+            self.taps.remove(tap)
+
+    # -- drain ---------------------------------------------------------------------------
+    def drain(self, reason: str) -> int:
+        """Idempotent: refuse registrations, tell every worker STOP; returns FFN workers told."""
+        if self.draining:
+            return 0
+        self.draining = True
+        log.info("draining: %s; health NOT_SERVING, STOP sent to every worker", reason)
+        told = sum(1 for s in self.sessions.values() if s.worker.role == FFN)
+        self._broadcast(Event.STOP, None, reason)
+        self._health_changed()
+        return told
+
+    # -- views ---------------------------------------------------------------------------
+    def worker_info(self, worker: Worker) -> afd_pb2.WorkerInfo:
+        spec = worker.spec
+        return afd_pb2.WorkerInfo(
+            worker_id=spec.worker_id,
+            role=ROLE_TO_PROTO[spec.role],
+            role_rank=spec.role_rank,
+            dp_rank=spec.dp_rank,
+            dp_size=spec.dp_size,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            peer=worker.peer,
+            registered_at_s=worker.registered_at_s,
+        )
+
+    def view_for(self, worker: Worker) -> afd_pb2.View:
+        m = self.membership
+        view = afd_pb2.View(
+            epoch=m.epoch,
+            controller_incarnation=self.incarnation,
+            expected_attention=m.expected[ATTENTION],
+            expected_ffn=m.expected[FFN],
+            complete=m.complete,
+            sender_ranks=m.sender_ranks(),
+        )
+        for attention_rank, ffn_ranks in m.routes():
+            view.routes.add(attention_rank=attention_rank, ffn_ranks=ffn_ranks)
+        for peer in m.peers_of(worker):
+            view.peers.add(worker=self.worker_info(peer), data_plane_blob=peer.spec.data_plane_blob)
+        return view
+
+    def status(self) -> afd_pb2.Status:
+        m = self.membership
+        status = afd_pb2.Status(
+            health=self.health,
+            epoch=m.epoch,
+            controller_incarnation=self.incarnation,
+            last_step_id=self.last_step_id,
+            steps_relayed=self.steps_relayed,
+            payloads_rejected=self.payloads_rejected,
+            uptime_s=time.monotonic() - self.started_at,
+            listen=self.config.listen,
+        )
+        for role in ROLES:
+            status.roles.add(
+                role=ROLE_TO_PROTO[role], expected=m.expected[role], registered=m.count(role)
+            )
+        for session in self.sessions.values():
+            if session.worker.role == FFN:
+                status.subscribers.add(
+                    worker_id=session.worker.worker_id,
+                    queued=len(session.mailbox),
+                    last_step_id=session.mailbox.last_step_id,
+                    queue_capacity=session.mailbox.capacity,
+                )
+        return status
+
+    def list_workers(self, role: str | None) -> list[afd_pb2.WorkerInfo]:
+        return [self.worker_info(w) for w in self.membership.workers if role in (None, w.role)]

@@ -1,0 +1,207 @@
+"""Who is registered, their role ranks, the membership epoch and the routing.
+
+Plain Python, no gRPC and no I/O: the daemon's servicer translates protos into calls here, and
+unit tests drive it directly. Every join and every loss bumps the epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from afd_ctl import routing
+from afd_ctl.errors import ControlError, invalid
+
+ATTENTION = "ATTENTION"
+FFN = "FFN"
+ROLES = (ATTENTION, FFN)
+MAX_WORKER_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker says about itself on registration."""
+
+    worker_id: str
+    role: str
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    data_plane_blob: bytes = b""
+
+    @property
+    def role_rank(self) -> int:
+        return self.dp_rank * self.tp_size + self.tp_rank
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    peer: str
+    registered_at_s: float
+    session_id: int
+    # Last step id accepted from this worker when it publishes (reset on each registration).
+    last_step_id: int | None = None
+    lost_reason: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def role_rank(self) -> int:
+        return self.spec.role_rank
+
+    def describe(self) -> str:
+        return f"{self.role.lower()} rank {self.role_rank} ({self.worker_id})"
+
+
+class Membership:
+    """The registered workers of one daemon incarnation."""
+
+    def __init__(
+        self,
+        expect_attention: int,
+        expect_ffn: int,
+        max_blob_bytes: int = 1 << 20,
+        first_epoch: int | None = None,
+    ) -> None:
+        self.expected = {ATTENTION: expect_attention, FFN: expect_ffn}
+        self.max_blob_bytes = max_blob_bytes
+        # Epochs start at the wall clock in ms so a restarted daemon never reuses an epoch.
+        self.epoch = int(time.time() * 1000) if first_epoch is None else first_epoch
+        self._by_slot: dict[tuple[str, int], Worker] = {}
+        self._next_session_id = 1
+        self.joins = 0
+        self.losses = 0
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def workers(self) -> list[Worker]:
+        return sorted(self._by_slot.values(), key=lambda w: (w.role != ATTENTION, w.role_rank))
+
+    def count(self, role: str) -> int:
+        return sum(1 for (r, _) in self._by_slot if r == role)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.count(role) == self.expected[role] for role in ROLES)
+
+    def get(self, role: str, role_rank: int) -> Worker | None:
+        return self._by_slot.get((role, role_rank))
+
+    def find(self, worker_id: str) -> Worker | None:
+        for worker in self._by_slot.values():
+            if worker.worker_id == worker_id:
+                return worker
+        return None
+
+    @property
+    def attention_dp_size(self) -> int:
+        return self.expected[ATTENTION] // self._tp_size(ATTENTION)
+
+    def _tp_size(self, role: str) -> int:
+        for (r, _), worker in self._by_slot.items():
+            if r == role:
+                return worker.spec.tp_size
+        return 1
+
+    def routes(self) -> list[tuple[int, list[int]]]:
+        m, n = self.expected[ATTENTION], self.expected[FFN]
+        return [(a, routing.ffn_ranks_for(a, m, n)) for a in range(m)]
+
+    def sender_ranks(self) -> list[int]:
+        return routing.sender_ranks(self.expected[ATTENTION], self.expected[FFN])
+
+    def is_sender(self, worker: Worker) -> bool:
+        return worker.role == ATTENTION and worker.role_rank in self.sender_ranks()
+
+    def peers_of(self, worker: Worker) -> list[Worker]:
+        """Registered workers this one exchanges hidden states with, in role-rank order."""
+        m, n = self.expected[ATTENTION], self.expected[FFN]
+        if worker.role == ATTENTION:
+            ranks, role = routing.ffn_ranks_for(worker.role_rank, m, n), FFN
+        else:
+            ranks, role = routing.attention_ranks_for(worker.role_rank, m, n), ATTENTION
+        return [w for r in ranks if (w := self.get(role, r)) is not None]
+
+    def subscribers_of(self, sender: Worker) -> list[Worker]:
+        """FFN workers that receive the payloads `sender` publishes."""
+        m, n = self.expected[ATTENTION], self.expected[FFN]
+        g = routing.group_count(m, n)
+        return [w for f in range(n) if f % g == sender.role_rank and (w := self.get(FFN, f))]
+
+    # -- changes -------------------------------------------------------------------------
+    def validate(self, spec: WorkerSpec) -> None:
+        """Raises ControlError naming the field when `spec` cannot join as given."""
+        if spec.role not in ROLES:
+            raise invalid(f"role must be ATTENTION or FFN, got {spec.role}")
+        if not spec.worker_id:
+            raise invalid("worker_id is empty: give every worker a stable identity")
+        if len(spec.worker_id) > MAX_WORKER_ID_CHARS:
+            raise invalid(f"worker_id is longer than {MAX_WORKER_ID_CHARS} characters")
+        if spec.dp_size < 1 or spec.tp_size < 1:
+            raise invalid(f"dp_size and tp_size must be >= 1, got {spec.dp_size}, {spec.tp_size}")
+        if spec.dp_rank >= spec.dp_size:
+            raise invalid(f"dp_rank {spec.dp_rank} must be below dp_size {spec.dp_size}")
+        if spec.tp_rank >= spec.tp_size:
+            raise invalid(f"tp_rank {spec.tp_rank} must be below tp_size {spec.tp_size}")
+        expected = self.expected[spec.role]
+        flag = "--expect-attention" if spec.role == ATTENTION else "--expect-ffn"
+        if spec.dp_size * spec.tp_size != expected:
+            raise invalid(
+                f"dp_size*tp_size = {spec.dp_size}*{spec.tp_size} does not match the "
+                f"{expected} {spec.role.lower()} workers the daemon expects ({flag} {expected})"
+            )
+        if len(spec.data_plane_blob) > self.max_blob_bytes:
+            raise invalid(
+                f"data_plane_blob is {len(spec.data_plane_blob)} bytes; "
+                f"the limit is {self.max_blob_bytes} bytes"
+            )
+
+    def join(self, spec: WorkerSpec, peer: str) -> Worker:
+        self.validate(spec)
+        slot = (spec.role, spec.role_rank)
+        holder = self._by_slot.get(slot)
+        if holder is not None:
+            raise ControlError(
+                "ALREADY_EXISTS",
+                f"(role, dp_rank, tp_rank) = ({spec.role}, {spec.dp_rank}, {spec.tp_rank}) is "
+                f"held by worker_id {holder.worker_id!r} from {holder.peer}; if that worker is "
+                "gone, retry after the liveness timeout",
+            )
+        other = self.find(spec.worker_id)
+        if other is not None:
+            raise ControlError(
+                "ALREADY_EXISTS",
+                f"worker_id {spec.worker_id!r} is already registered as {other.describe()} "
+                f"from {other.peer}; worker identities must be unique",
+            )
+        worker = Worker(
+            spec=spec,
+            peer=peer,
+            registered_at_s=time.time(),
+            session_id=self._next_session_id,
+        )
+        self._next_session_id += 1
+        self._by_slot[slot] = worker
+        self.epoch += 1
+        self.joins += 1
+        return worker
+
+    def leave(self, worker: Worker, reason: str) -> bool:
+        """Removes `worker` if it still holds its slot; returns whether anything changed."""
+        slot = (worker.role, worker.role_rank)
+        if self._by_slot.get(slot) is not worker:
+            return False
+        del self._by_slot[slot]
+        worker.lost_reason = reason
+        self.epoch += 1
+        self.losses += 1
+        return True

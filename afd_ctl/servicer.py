@@ -1,0 +1,140 @@
+"""gRPC servicers: translate between the wire and `Controller`, nothing more.
+
+Domain errors (ControlError) become statuses here and only here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from afd_ctl.controller import Controller
+from afd_ctl.errors import ControlError
+from afd_ctl.mailbox import MailboxClosed
+from afd_ctl.membership import WorkerSpec
+from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+from afd_ctl.wire import PROTO_TO_ROLE, WORKER_ID_METADATA
+
+log = logging.getLogger(__name__)
+
+SESSION_ENDED = "session ended: stream closed by the worker or keepalive failed"
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    return grpc.StatusCode[name]
+
+
+async def abort(context: grpc.aio.ServicerContext, error: ControlError) -> None:
+    await context.abort(status_code(error.code), error.message)
+
+
+class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    async def Session(  # noqa: N802 (gRPC method name)
+        self, request: afd_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[afd_pb2.SessionMessage]:
+        spec = WorkerSpec(
+            worker_id=request.worker_id,
+            role=PROTO_TO_ROLE.get(request.role, afd_pb2.Role.Name(request.role)),
+            dp_rank=request.dp_rank,
+            dp_size=request.dp_size,
+            tp_rank=request.tp_rank,
+            tp_size=request.tp_size,
+            data_plane_blob=request.data_plane_blob,
+        )
+        try:
+            session = self.controller.open_session(spec, context.peer())
+        except ControlError as error:
+            log.warning("registration refused for %r: %s", request.worker_id, error.message)
+            await abort(context, error)
+            return
+        reason = SESSION_ENDED
+        try:
+            while True:
+                try:
+                    message = await session.mailbox.get()
+                except MailboxClosed as closed:
+                    if closed.code not in ("OK", "CANCELLED"):
+                        reason = closed.message
+                        await context.abort(status_code(closed.code), closed.message)
+                    return
+                yield message
+        finally:
+            self.controller.close_session(session, reason)
+
+    async def Publish(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[afd_pb2.AFDControlPayload],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[afd_pb2.PublishAck]:
+        worker_id = dict(context.invocation_metadata() or ()).get(WORKER_ID_METADATA, "")
+        if not worker_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"call metadata {WORKER_ID_METADATA!r} is missing: name the registered "
+                "attention worker that publishes",
+            )
+        publish = self.controller.publish
+        async for payload in request_iterator:
+            try:
+                publish(worker_id, payload)
+            except ControlError as error:
+                log.warning(
+                    "payload step %d from %r rejected: %s", payload.step_id, worker_id, error
+                )
+                rejected = afd_pb2.PublishRejected(
+                    step_id=payload.step_id,
+                    code=status_code(error.code).value[0],
+                    message=error.message,
+                )
+                yield afd_pb2.PublishAck(rejected=rejected)
+
+
+class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
+    def __init__(self, controller: Controller, request_stop: Callable[[str], int]) -> None:
+        self.controller = controller
+        self.request_stop = request_stop
+
+    async def GetStatus(  # noqa: N802
+        self, request: afd_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> afd_pb2.Status:
+        return self.controller.status()
+
+    async def ListWorkers(  # noqa: N802
+        self, request: afd_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> afd_pb2.ListWorkersResponse:
+        role: str | None = None
+        if request.role != afd_pb2.ROLE_UNSPECIFIED:
+            if request.role not in PROTO_TO_ROLE:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"role {request.role} is not ATTENTION, FFN or ROLE_UNSPECIFIED",
+                )
+            role = PROTO_TO_ROLE[request.role]
+        return afd_pb2.ListWorkersResponse(workers=self.controller.list_workers(role))
+
+    async def Tap(  # noqa: N802
+        self, request: afd_pb2.TapRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[afd_pb2.TapEvent]:
+        tap = self.controller.add_tap(request.include_payloads)
+        try:
+            while True:
+                try:
+                    event = await tap.mailbox.get()
+                except MailboxClosed as closed:
+                    if closed.code != "OK":
+                        await context.abort(status_code(closed.code), closed.message)
+                    return
+                yield event
+        finally:
+            self.controller.remove_tap(tap)
+
+    async def Stop(  # noqa: N802
+        self, request: afd_pb2.StopRequest, context: grpc.aio.ServicerContext
+    ) -> afd_pb2.StopResponse:
+        reason = request.reason or f"afd-ctl stop from {context.peer()}"
+        return afd_pb2.StopResponse(ffn_workers_told=self.request_stop(reason))

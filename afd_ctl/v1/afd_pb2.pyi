@@ -1,0 +1,278 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ATTENTION: _ClassVar[Role]
+    FFN: _ClassVar[Role]
+ROLE_UNSPECIFIED: Role
+ATTENTION: Role
+FFN: Role
+
+class DPMetadata(_message.Message):
+    __slots__ = ("num_tokens_across_dp", "max_tokens_across_dp")
+    NUM_TOKENS_ACROSS_DP_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_ACROSS_DP_FIELD_NUMBER: _ClassVar[int]
+    num_tokens_across_dp: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens_across_dp: int
+    def __init__(self, num_tokens_across_dp: _Optional[_Iterable[int]] = ..., max_tokens_across_dp: _Optional[int] = ...) -> None: ...
+
+class AFDControlPayload(_message.Message):
+    __slots__ = ("step_id", "epoch", "sender_role_rank", "stages", "is_warmup", "is_graph_capturing", "is_graph_replaying", "is_profile", "stop")
+    class StagesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: DPMetadata
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[DPMetadata, _Mapping]] = ...) -> None: ...
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ROLE_RANK_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    IS_WARMUP_FIELD_NUMBER: _ClassVar[int]
+    IS_GRAPH_CAPTURING_FIELD_NUMBER: _ClassVar[int]
+    IS_GRAPH_REPLAYING_FIELD_NUMBER: _ClassVar[int]
+    IS_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    epoch: int
+    sender_role_rank: int
+    stages: _containers.MessageMap[int, DPMetadata]
+    is_warmup: bool
+    is_graph_capturing: bool
+    is_graph_replaying: bool
+    is_profile: bool
+    stop: bool
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., sender_role_rank: _Optional[int] = ..., stages: _Optional[_Mapping[int, DPMetadata]] = ..., is_warmup: _Optional[bool] = ..., is_graph_capturing: _Optional[bool] = ..., is_graph_replaying: _Optional[bool] = ..., is_profile: _Optional[bool] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_BLOB_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+    worker_id: str
+    data_plane_blob: bytes
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "role_rank", "dp_rank", "dp_size", "tp_rank", "tp_size", "peer", "registered_at_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    role_rank: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+    peer: str
+    registered_at_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., peer: _Optional[str] = ..., registered_at_s: _Optional[float] = ...) -> None: ...
+
+class Peer(_message.Message):
+    __slots__ = ("worker", "data_plane_blob")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_BLOB_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    data_plane_blob: bytes
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., data_plane_blob: _Optional[bytes] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("attention_rank", "ffn_ranks")
+    ATTENTION_RANK_FIELD_NUMBER: _ClassVar[int]
+    FFN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    attention_rank: int
+    ffn_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, attention_rank: _Optional[int] = ..., ffn_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class View(_message.Message):
+    __slots__ = ("epoch", "controller_incarnation", "expected_attention", "expected_ffn", "complete", "routes", "sender_ranks", "peers")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FFN_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    controller_incarnation: str
+    expected_attention: int
+    expected_ffn: int
+    complete: bool
+    routes: _containers.RepeatedCompositeFieldContainer[Route]
+    sender_ranks: _containers.RepeatedScalarFieldContainer[int]
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., expected_attention: _Optional[int] = ..., expected_ffn: _Optional[int] = ..., complete: _Optional[bool] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., sender_ranks: _Optional[_Iterable[int]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("worker", "view", "is_sender")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    IS_SENDER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    view: View
+    is_sender: bool
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., is_sender: _Optional[bool] = ...) -> None: ...
+
+class MembershipEvent(_message.Message):
+    __slots__ = ("kind", "worker", "reason", "view")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[MembershipEvent.Kind]
+        PEER_JOINED: _ClassVar[MembershipEvent.Kind]
+        PEER_LOST: _ClassVar[MembershipEvent.Kind]
+        SET_COMPLETE: _ClassVar[MembershipEvent.Kind]
+        STOP: _ClassVar[MembershipEvent.Kind]
+    KIND_UNSPECIFIED: MembershipEvent.Kind
+    PEER_JOINED: MembershipEvent.Kind
+    PEER_LOST: MembershipEvent.Kind
+    SET_COMPLETE: MembershipEvent.Kind
+    STOP: MembershipEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    kind: MembershipEvent.Kind
+    worker: WorkerInfo
+    reason: str
+    view: View
+    def __init__(self, kind: _Optional[_Union[MembershipEvent.Kind, str]] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., reason: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ...) -> None: ...
+
+class SessionMessage(_message.Message):
+    __slots__ = ("registered", "payload", "event")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    payload: AFDControlPayload
+    event: MembershipEvent
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., event: _Optional[_Union[MembershipEvent, _Mapping]] = ...) -> None: ...
+
+class PublishRejected(_message.Message):
+    __slots__ = ("step_id", "code", "message")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    code: int
+    message: str
+    def __init__(self, step_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PublishAck(_message.Message):
+    __slots__ = ("rejected",)
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    rejected: PublishRejected
+    def __init__(self, rejected: _Optional[_Union[PublishRejected, _Mapping]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoleCount(_message.Message):
+    __slots__ = ("role", "expected", "registered")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    expected: int
+    registered: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., expected: _Optional[int] = ..., registered: _Optional[int] = ...) -> None: ...
+
+class SubscriberLag(_message.Message):
+    __slots__ = ("worker_id", "queued", "last_step_id", "queue_capacity")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    queued: int
+    last_step_id: int
+    queue_capacity: int
+    def __init__(self, worker_id: _Optional[str] = ..., queued: _Optional[int] = ..., last_step_id: _Optional[int] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen")
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RELAYED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
+    health: str
+    epoch: int
+    controller_incarnation: str
+    roles: _containers.RepeatedCompositeFieldContainer[RoleCount]
+    last_step_id: int
+    steps_relayed: int
+    payloads_rejected: int
+    subscribers: _containers.RepeatedCompositeFieldContainer[SubscriberLag]
+    uptime_s: float
+    listen: str
+    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class TapRequest(_message.Message):
+    __slots__ = ("include_payloads",)
+    INCLUDE_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    include_payloads: bool
+    def __init__(self, include_payloads: _Optional[bool] = ...) -> None: ...
+
+class TapEvent(_message.Message):
+    __slots__ = ("payload", "membership")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    payload: AFDControlPayload
+    membership: MembershipEvent
+    def __init__(self, payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., membership: _Optional[_Union[MembershipEvent, _Mapping]] = ...) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StopResponse(_message.Message):
+    __slots__ = ("ffn_workers_told",)
+    FFN_WORKERS_TOLD_FIELD_NUMBER: _ClassVar[int]
+    ffn_workers_told: int
+    def __init__(self, ffn_workers_told: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,11 @@
+"""Names shared by both ends of the wire: role enums and call-metadata keys."""
+
+from __future__ import annotations
+
+from afd_ctl.membership import ATTENTION, FFN
+from afd_ctl.v1 import afd_pb2
+
+ROLE_TO_PROTO = {ATTENTION: afd_pb2.ATTENTION, FFN: afd_pb2.FFN}
+PROTO_TO_ROLE = {v: k for k, v in ROLE_TO_PROTO.items()}
+# Names the registered attention worker on a Publish stream.
+WORKER_ID_METADATA = "afd-worker-id"
