@@ -83,6 +83,8 @@ class ControllerClient:
         self.target = target
         self.spec = spec
         self.data_plane_blob = data_plane_blob or spec.data_plane_blob
+        self.liveness_timeout_s = liveness_timeout_s
+        self._beat_s = liveness_timeout_s / 4
         self._metadata = auth_metadata(token)
         self._channel = open_channel(target, tls, liveness_timeout_s)
         self._stub = afd_pb2_grpc.AFDControllerStub(self._channel)
@@ -189,7 +191,7 @@ class ControllerClient:
     # -- the session thread --------------------------------------------------------------
     def _session_loop(self) -> None:
         spec = self.spec
-        request = afd_pb2.RegisterRequest(
+        register = afd_pb2.RegisterRequest(
             role=ROLE_TO_PROTO.get(spec.role, afd_pb2.ROLE_UNSPECIFIED),
             dp_rank=spec.dp_rank,
             dp_size=spec.dp_size,
@@ -200,27 +202,37 @@ class ControllerClient:
         )
         backoff = BACKOFF_MIN_S
         while True:
+            hung_up = threading.Event()
             with self._cond:
                 if self._closing or self._stopped is not None:
                     return
-                call = self._stub.Session(request, metadata=self._metadata)
+                call = self._stub.Session(
+                    _session_requests(register, hung_up, self._beat_s), metadata=self._metadata
+                )
                 self._session_call = call
+            watchdog = _Watchdog(call, self.liveness_timeout_s)
             registered_here = False
             error: grpc.RpcError | None = None
             try:
                 for message in call:
+                    watchdog.heard()
                     registered_here = True
                     backoff = BACKOFF_MIN_S
                     self._handle(message)
             except grpc.RpcError as exc:
                 error = exc
+            finally:
+                hung_up.set()
+                watchdog.stop()
             with self._cond:
                 if self._closing or self._stopped is not None:
                     return
                 code = error.code() if error is not None else grpc.StatusCode.OK
                 details = error.details() if error is not None else "stream ended"
+                if watchdog.fired:
+                    details = f"nothing heard for {self.liveness_timeout_s} s"
                 if not registered_here and code in PERMANENT_CODES:
-                    self._fatal = AfdRejected(code.name, details)
+                    self._fatal = AfdRejected(code.name, details or "")
                     log.error("afd-ctl refused registration: %s: %s", code.name, details)
                     self._cond.notify_all()
                     return
@@ -244,6 +256,8 @@ class ControllerClient:
                 self._stop(f"the attention side sent stop at step {payload.step_id}")
             else:
                 self._payloads.put(payload)
+            return
+        if which == "heartbeat":
             return
         if which == "registered":
             with self._cond:
@@ -288,12 +302,16 @@ class ControllerClient:
             self._lost = None
 
     def _stop(self, reason: str) -> None:
+        """Stopped for good: tell the caller, and hang up so a draining daemon can exit."""
         with self._cond:
             if self._stopped is None:
                 self._stopped = AfdStopped(reason)
                 self._payloads.put(self._stopped)
                 log.info("stopped: %s", reason)
+            call = self._session_call
             self._cond.notify_all()
+        if call is not None:
+            call.cancel()  # type: ignore[attr-defined]
 
     # -- FFN side ------------------------------------------------------------------------
     def next_payload(self, timeout_s: float) -> afd_pb2.AFDControlPayload:
@@ -423,6 +441,40 @@ class ControllerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _session_requests(
+    register: afd_pb2.RegisterRequest, hung_up: threading.Event, beat_s: float
+) -> Iterator[afd_pb2.SessionRequest]:
+    yield afd_pb2.SessionRequest(register=register)
+    heartbeat = afd_pb2.SessionRequest(heartbeat=afd_pb2.Heartbeat())
+    while not hung_up.wait(beat_s):
+        yield heartbeat
+
+
+class _Watchdog:
+    """Cancels a session call when the daemon has said nothing for the liveness timeout."""
+
+    def __init__(self, call: grpc.Call, liveness_timeout_s: float) -> None:
+        self._call = call
+        self._timeout_s = liveness_timeout_s
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self.fired = False
+        threading.Thread(target=self._run, name="afd-session-watchdog", daemon=True).start()
+
+    def heard(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._timeout_s / 4):
+            if time.monotonic() - self._last > self._timeout_s:
+                self.fired = True
+                self._call.cancel()  # type: ignore[attr-defined]
+                return
 
 
 def _drain(requests: queue.SimpleQueue[afd_pb2.AFDControlPayload | None]) -> Iterator:

@@ -55,7 +55,8 @@ class Mailbox(Generic[T]):
         self._closed = MailboxClosed(code, message)
         self._ready.set()
 
-    async def get(self) -> T:
+    async def get(self, timeout_s: float | None = None) -> T | None:
+        """The next item; None when `timeout_s` passes with nothing queued."""
         while True:
             if self._items:
                 self.delivered += 1
@@ -63,4 +64,10 @@ class Mailbox(Generic[T]):
             if self._closed is not None:
                 raise self._closed
             self._ready.clear()
-            await self._ready.wait()
+            if timeout_s is None:
+                await self._ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return None

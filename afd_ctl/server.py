@@ -18,6 +18,7 @@ from afd_ctl.auth import BearerTokenInterceptor
 from afd_ctl.channel import keepalive_options
 from afd_ctl.config import DaemonConfig, parse_listen
 from afd_ctl.controller import Controller
+from afd_ctl.membership import FFN
 from afd_ctl.servicer import ControllerServicer, InspectServicer
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
@@ -131,15 +132,18 @@ class ControllerServer:
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_grace_s
-        while self.controller.sessions and time.monotonic() < deadline:
+        while self._ffn_sessions() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self.controller.sessions:
+        if self._ffn_sessions():
             log.warning(
-                "drain grace of %.1f s over; closing %d session(s) still open",
+                "drain grace of %.1f s over; closing %d FFN session(s) still open",
                 self.config.drain_grace_s,
-                len(self.controller.sessions),
+                self._ffn_sessions(),
             )
         await self.stop(grace=0.5)
+
+    def _ffn_sessions(self) -> int:
+        return sum(1 for s in self.controller.sessions.values() if s.worker.role == FFN)
 
     async def stop(self, grace: float) -> None:
         if self._server is not None:

@@ -5,7 +5,9 @@ Domain errors (ControlError) become statuses here and only here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -19,7 +21,8 @@ from afd_ctl.wire import PROTO_TO_ROLE, WORKER_ID_METADATA
 
 log = logging.getLogger(__name__)
 
-SESSION_ENDED = "session ended: stream closed by the worker or keepalive failed"
+SESSION_CLOSED = "session closed by the worker (exited, killed or hung up)"
+HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
 
 
 def status_code(name: str) -> grpc.StatusCode:
@@ -30,13 +33,58 @@ async def abort(context: grpc.aio.ServicerContext, error: ControlError) -> None:
     await context.abort(status_code(error.code), error.message)
 
 
+class RateLimitedLog:
+    """One warning per interval for a repeating problem, with the count of those not shown."""
+
+    def __init__(self, what: str, interval_s: float = 1.0) -> None:
+        self.what = what
+        self.interval_s = interval_s
+        self._last = -interval_s
+        self._suppressed = 0
+
+    def warn(self, detail: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._suppressed += 1
+            return
+        more = f" (and {self._suppressed} more)" if self._suppressed else ""
+        log.warning("%s%s: %s", self.what, more, detail)
+        self._last, self._suppressed = now, 0
+
+
+class Heard:
+    """When a worker's session last said anything."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    async def follow(self, requests: AsyncIterator[afd_pb2.SessionRequest]) -> None:
+        async for _ in requests:
+            self.at = time.monotonic()
+
+
 class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
 
     async def Session(  # noqa: N802 (gRPC method name)
-        self, request: afd_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[afd_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[afd_pb2.SessionMessage]:
+        liveness_s = self.controller.config.liveness_timeout_s
+        requests = aiter(request_iterator)
+        try:
+            first = await asyncio.wait_for(anext(requests), liveness_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            first = None
+        if first is None or first.WhichOneof("message") != "register":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the first Session message must be `register`, within {liveness_s} s",
+            )
+            return
+        request = first.register
         spec = WorkerSpec(
             worker_id=request.worker_id,
             role=PROTO_TO_ROLE.get(request.role, afd_pb2.Role.Name(request.role)),
@@ -52,18 +100,27 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
             log.warning("registration refused for %r: %s", request.worker_id, error.message)
             await abort(context, error)
             return
-        reason = SESSION_ENDED
+        heard = Heard()
+        reader = asyncio.get_running_loop().create_task(heard.follow(requests))
+        beat_s = liveness_s / 4
+        reason = SESSION_CLOSED
         try:
             while True:
                 try:
-                    message = await session.mailbox.get()
+                    message = await session.mailbox.get(beat_s)
                 except MailboxClosed as closed:
                     if closed.code not in ("OK", "CANCELLED"):
                         reason = closed.message
                         await context.abort(status_code(closed.code), closed.message)
                     return
-                yield message
+                if reader.done():
+                    return
+                if time.monotonic() - heard.at > liveness_s:
+                    reason = f"no heartbeat for {liveness_s} s (worker frozen or network down)"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+                yield HEARTBEAT if message is None else message
         finally:
+            reader.cancel()
             self.controller.close_session(session, reason)
 
     async def Publish(  # noqa: N802
@@ -79,13 +136,12 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
                 "attention worker that publishes",
             )
         publish = self.controller.publish
+        rejections = RateLimitedLog(f"payloads from {worker_id!r} rejected")
         async for payload in request_iterator:
             try:
                 publish(worker_id, payload)
             except ControlError as error:
-                log.warning(
-                    "payload step %d from %r rejected: %s", payload.step_id, worker_id, error
-                )
+                rejections.warn(f"step {payload.step_id}: {error.message}")
                 rejected = afd_pb2.PublishRejected(
                     step_id=payload.step_id,
                     code=status_code(error.code).value[0],

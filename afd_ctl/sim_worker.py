@@ -36,7 +36,14 @@ def make_payload(step_id: int, dp_size: int, stages: int) -> afd_pb2.AFDControlP
 
 def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[str, object]:
     view = client.wait_complete(args.timeout)
-    report: dict[str, object] = {"role": "attention", "epoch": view.epoch, "published": 0}
+    report: dict[str, object] = {
+        "role": "attention",
+        "role_rank": client.role_rank,
+        "is_sender": client.is_sender,
+        "epoch": view.epoch,
+        "peers": [peer.worker.role_rank for peer in view.peers],
+        "published": 0,
+    }
     if not client.is_sender:
         return report
     period = 1.0 / args.rate if args.rate > 0 else 0.0
@@ -95,6 +102,7 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
         "role": "ffn",
         "role_rank": client.role_rank,
         "epoch": view.epoch,
+        "peers": [peer.worker.role_rank for peer in view.peers],
         "received": received,
         "first_step": first,
         "last_step": last,
@@ -120,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-stop", action="store_true", help="attention: publish stop last")
     parser.add_argument("--wait-stop", action="store_true", help="ffn: wait for stop at the end")
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--hold-s", type=float, default=0.0, help="stay registered this long after the report"
+    )
     parser.add_argument("--token", default="")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
@@ -133,9 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     except AfdError as exc:
         print(json.dumps({"role": args.role, "error": f"{type(exc).__name__}: {exc}"}))
         return 1
+    else:
+        # Report first, then stay registered so the others' epoch does not change under them.
+        print(json.dumps(report), flush=True)
+        time.sleep(args.hold_s)
     finally:
         client.close()
-    print(json.dumps(report))
     return 0 if not report.get("problems") else 1
 
 

@@ -163,15 +163,29 @@ class MembershipEvent(_message.Message):
     view: View
     def __init__(self, kind: _Optional[_Union[MembershipEvent.Kind, str]] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., reason: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ...) -> None: ...
 
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("register", "heartbeat")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    register: RegisterRequest
+    heartbeat: Heartbeat
+    def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
 class SessionMessage(_message.Message):
-    __slots__ = ("registered", "payload", "event")
+    __slots__ = ("registered", "payload", "event", "heartbeat")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     payload: AFDControlPayload
     event: MembershipEvent
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., event: _Optional[_Union[MembershipEvent, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., event: _Optional[_Union[MembershipEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class PublishRejected(_message.Message):
     __slots__ = ("step_id", "code", "message")

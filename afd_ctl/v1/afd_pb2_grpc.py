@@ -36,9 +36,9 @@ class AFDControllerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Session = channel.unary_stream(
+        self.Session = channel.stream_stream(
                 '/afd.v1.AFDController/Session',
-                request_serializer=afd__ctl_dot_v1_dot_afd__pb2.RegisterRequest.SerializeToString,
+                request_serializer=afd__ctl_dot_v1_dot_afd__pb2.SessionRequest.SerializeToString,
                 response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.SessionMessage.FromString,
                 _registered_method=True)
         self.Publish = channel.stream_stream(
@@ -53,11 +53,13 @@ class AFDControllerServicer:
     Publish also needs "afd-worker-id" naming a registered attention worker.
     """
 
-    def Session(self, request, context):
-        """Registers the worker and keeps its membership alive for as long as the stream lasts. The
-        first message is `registered`; then payloads (FFN workers) and membership events. The
-        stream ends with a status when registration is refused (ALREADY_EXISTS, INVALID_ARGUMENT,
-        UNAUTHENTICATED, UNAVAILABLE while draining) or when the worker is cut off.
+    def Session(self, request_iterator, context):
+        """Registers the worker and keeps its membership alive for as long as the stream lasts and
+        heartbeats flow. The worker sends `register` first, then heartbeats; the daemon answers
+        `registered`, then payloads (FFN workers), membership events and heartbeats. The stream
+        ends with a status when registration is refused (ALREADY_EXISTS, INVALID_ARGUMENT,
+        UNAUTHENTICATED, UNAVAILABLE while draining), when the worker falls behind
+        (RESOURCE_EXHAUSTED) or when it stops sending heartbeats (UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,9 +76,9 @@ class AFDControllerServicer:
 
 def add_AFDControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Session': grpc.unary_stream_rpc_method_handler(
+            'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.RegisterRequest.FromString,
+                    request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.SessionRequest.FromString,
                     response_serializer=afd__ctl_dot_v1_dot_afd__pb2.SessionMessage.SerializeToString,
             ),
             'Publish': grpc.stream_stream_rpc_method_handler(
@@ -98,7 +100,7 @@ class AFDController:
     """
 
     @staticmethod
-    def Session(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -108,11 +110,11 @@ class AFDController:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/afd.v1.AFDController/Session',
-            afd__ctl_dot_v1_dot_afd__pb2.RegisterRequest.SerializeToString,
+            afd__ctl_dot_v1_dot_afd__pb2.SessionRequest.SerializeToString,
             afd__ctl_dot_v1_dot_afd__pb2.SessionMessage.FromString,
             options,
             channel_credentials,

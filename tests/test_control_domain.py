@@ -1,0 +1,180 @@
+"""The daemon's plain-Python state, driven without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from afd_ctl import routing
+from afd_ctl.config import DaemonConfig
+from afd_ctl.controller import Controller
+from afd_ctl.errors import ControlError
+from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+from afd_ctl.sim_worker import make_payload
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "routes", "senders"),
+    [
+        (1, 1, [[0]], [0]),
+        (2, 1, [[0], [0]], [0]),
+        (1, 2, [[0, 1]], [0]),
+        (3, 2, [[0], [1], [0]], [0, 1]),
+        (2, 4, [[0, 2], [1, 3]], [0, 1]),
+    ],
+)
+def test_routing_covers_every_ratio(m: int, n: int, routes: list[list[int]], senders: list[int]):
+    assert [routing.ffn_ranks_for(a, m, n) for a in range(m)] == routes
+    assert routing.sender_ranks(m, n) == senders
+    for f in range(n):
+        # Every FFN rank has exactly one sender and receives hidden states from its routes.
+        assert routing.sender_for(f, m, n) in senders
+        assert routing.attention_ranks_for(f, m, n) == [a for a in range(m) if f in routes[a]]
+
+
+def make_controller(m: int = 1, n: int = 1) -> Controller:
+    return Controller(DaemonConfig(expect_attention=m, expect_ffn=n), first_epoch=100)
+
+
+def run(coro):  # the controller's mailboxes need an event loop
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def test_join_and_loss_bump_the_epoch_and_health():
+    async def scenario():
+        c = make_controller(1, 2)
+        a = c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        f0 = c.open_session(WorkerSpec("f0", FFN, dp_rank=0, dp_size=2), "p")
+        assert c.health == "NOT_SERVING"
+        c.open_session(WorkerSpec("f1", FFN, dp_rank=1, dp_size=2), "p")
+        assert c.health == "SERVING" and c.membership.epoch == 103
+        c.close_session(f0, "killed")
+        assert c.health == "NOT_SERVING" and c.membership.epoch == 104
+        # a0 saw registered, two joins, SET_COMPLETE, then the loss.
+        kinds = [m.WhichOneof("message") for m in list(a.mailbox._items)]
+        assert kinds == ["registered", "event", "event", "event", "event"]
+        assert a.mailbox._items[-1].event.worker.worker_id == "f0"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (WorkerSpec("x", "BOGUS"), "role"),
+        (WorkerSpec("", FFN), "worker_id"),
+        (WorkerSpec("x", FFN, dp_rank=2, dp_size=2), "dp_rank"),
+        (WorkerSpec("x", FFN, dp_size=3), "dp_size"),
+        (WorkerSpec("x", FFN, data_plane_blob=b"x" * ((1 << 20) + 1)), "data_plane_blob"),
+    ],
+)
+def test_bad_registrations_name_the_field(spec: WorkerSpec, field: str):
+    c = make_controller()
+    with pytest.raises(ControlError) as err:
+        c.membership.join(spec, "p")
+    assert err.value.code == "INVALID_ARGUMENT" and field in err.value.message
+    assert c.membership.epoch == 100
+
+
+def test_duplicate_slot_and_identity_are_refused():
+    c = make_controller()
+    c.membership.join(WorkerSpec("f0", FFN), "p")
+    with pytest.raises(ControlError, match="held by worker_id 'f0'") as err:
+        c.membership.join(WorkerSpec("f0-twin", FFN), "p")
+    assert err.value.code == "ALREADY_EXISTS"
+    with pytest.raises(ControlError, match="already registered"):
+        c.membership.join(WorkerSpec("f0", ATTENTION), "p")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code", "field"),
+    [
+        (
+            lambda p: p.stages[0].num_tokens_across_dp.append(1),
+            "INVALID_ARGUMENT",
+            "num_tokens_across_dp has 2",
+        ),
+        (
+            lambda p: p.stages[0].num_tokens_across_dp.__setitem__(0, -1),
+            "INVALID_ARGUMENT",
+            "num_tokens_across_dp[0]",
+        ),
+        (
+            lambda p: setattr(p.stages[0], "max_tokens_across_dp", 999),
+            "INVALID_ARGUMENT",
+            "max_tokens_across_dp",
+        ),
+        (
+            lambda p: [p.stages[i].num_tokens_across_dp.append(1) for i in (1, 2)],
+            "INVALID_ARGUMENT",
+            "stages has 3",
+        ),
+        (lambda p: setattr(p, "epoch", 1), "FAILED_PRECONDITION", "epoch 1 is stale"),
+        (lambda p: setattr(p, "sender_role_rank", 3), "PERMISSION_DENIED", "sender_role_rank"),
+    ],
+)
+def test_bad_payloads_are_refused_and_change_nothing(mutate, code: str, field: str):
+    async def scenario():
+        c = make_controller()
+        c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        f = c.open_session(WorkerSpec("f0", FFN), "p")
+        queued = len(f.mailbox)
+        payload = make_payload(5, 1, 1)
+        payload.epoch = c.membership.epoch
+        mutate(payload)
+        with pytest.raises(ControlError) as err:
+            c.publish("a0", payload)
+        assert err.value.code == code and field in err.value.message
+        assert len(f.mailbox) == queued and c.steps_relayed == 0 and c.payloads_rejected == 1
+
+    run(scenario())
+
+
+def test_step_ids_must_increase_per_sender():
+    async def scenario():
+        c = make_controller()
+        c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        c.open_session(WorkerSpec("f0", FFN), "p")
+        for step, ok in ((5, True), (6, True), (6, False), (4, False), (7, True)):
+            payload = make_payload(step, 1, 1)
+            payload.epoch = c.membership.epoch
+            if ok:
+                c.publish("a0", payload)
+            else:
+                with pytest.raises(ControlError, match="does not increase"):
+                    c.publish("a0", payload)
+        assert c.steps_relayed == 3
+
+    run(scenario())
+
+
+def test_slow_subscriber_is_cut_off_with_a_reason():
+    async def scenario():
+        c = Controller(DaemonConfig(subscriber_queue=8), first_epoch=1)
+        c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        f = c.open_session(WorkerSpec("f0", FFN), "p")
+        for step in range(1, 20):
+            payload = make_payload(step, 1, 1)
+            payload.epoch = c.membership.epoch
+            try:
+                c.publish("a0", payload)
+            except ControlError as exc:  # incomplete once f0 is cut off
+                assert exc.code == "UNAVAILABLE"
+                break
+        assert f.mailbox.closed and "fell behind" in f.worker.lost_reason
+        assert c.membership.count(FFN) == 0
+
+    run(scenario())
+
+
+def test_config_reads_flags_then_environment_then_defaults():
+    env = {"AFD_CTL_EXPECT_FFN": "3", "AFD_CTL_LIVENESS_TIMEOUT_S": "1.5", "AFD_CTL_LISTEN": "x:1"}
+    config = DaemonConfig.resolve({"listen": "127.0.0.1:7", "expect_ffn": None}, env)
+    assert (config.listen, config.expect_ffn, config.liveness_timeout_s) == ("127.0.0.1:7", 3, 1.5)
+    with pytest.raises(ValueError, match="AFD_CTL_EXPECT_FFN"):
+        DaemonConfig.resolve({}, {"AFD_CTL_EXPECT_FFN": "two"})
+    with pytest.raises(ValueError, match="--listen"):
+        DaemonConfig(listen="nocolon")
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
+        DaemonConfig(tls_cert="/etc/hostname")

@@ -1,0 +1,234 @@
+"""Failures a cluster sees: a worker killed or frozen, the daemon stopped, killed, restarted.
+
+The daemon and the victim workers are separate processes; the surviving workers are real
+clients in this test process (threads), so the test can time what they are told.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from afd_ctl.client import ControllerClient
+from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdStopped
+from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+from afd_ctl.sim_worker import make_payload
+from afd_ctl.v1 import afd_pb2
+from tests.procs import Daemon, sim_worker
+
+LIVENESS_S = 2.0
+SLACK_S = 1.0  # process scheduling on a loaded 2-core machine
+
+Kind = afd_pb2.MembershipEvent.Kind
+
+
+class Watcher:
+    """Records when membership events reach a client."""
+
+    def __init__(self, client: ControllerClient) -> None:
+        self.events: list[tuple[float, afd_pb2.MembershipEvent]] = []
+        self._cond = threading.Condition()
+        client.add_listener(self._on_event)
+
+    def _on_event(self, event: afd_pb2.MembershipEvent) -> None:
+        with self._cond:
+            self.events.append((time.monotonic(), event))
+            self._cond.notify_all()
+
+    def wait(
+        self, kind: int, timeout: float, after: float = 0.0
+    ) -> tuple[float, afd_pb2.MembershipEvent]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for when, event in self.events:
+                    if event.kind == kind and when >= after:
+                        return when, event
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"no {Kind.Name(kind)} within {timeout} s: {self.events}"
+                self._cond.wait(remaining)
+
+
+def client(daemon: Daemon, worker_id: str, role: str, **spec: int) -> ControllerClient:
+    c = ControllerClient(daemon.address, WorkerSpec(worker_id, role, **spec))
+    c.connect(timeout_s=10)
+    return c
+
+
+def publish_steps(c: ControllerClient, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        c.publish(make_payload(step, 1, 1))
+
+
+def test_killed_ffn_worker_is_reported_within_the_bound_and_replaced(start_daemon, procs, tmp_path):
+    daemon = start_daemon("--expect-ffn", "2", "--liveness-timeout-s", str(LIVENESS_S))
+    victim = sim_worker(
+        tmp_path / "victim.log",
+        daemon.address,
+        "ffn",
+        "--dp-rank",
+        "1",
+        "--dp-size",
+        "2",
+        "--worker-id",
+        "ffn-1",
+        "--steps",
+        "0",
+        "--timeout",
+        "60",
+    )
+    procs.append(victim)
+    attn = client(daemon, "attn-0", ATTENTION)
+    ffn0 = client(daemon, "ffn-0", FFN, dp_rank=0, dp_size=2)
+    watchers = {"attention": Watcher(attn), "ffn-0": Watcher(ffn0)}
+    try:
+        first_epoch = attn.wait_complete(10).epoch
+        publish_steps(attn, 1, 50)
+        assert [ffn0.next_payload(5).step_id for _ in range(50)] == list(range(1, 51))
+
+        killed_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        for name, watcher in watchers.items():
+            when, event = watcher.wait(Kind.PEER_LOST, LIVENESS_S + SLACK_S)
+            assert when - killed_at <= LIVENESS_S + SLACK_S, name
+            assert event.worker.worker_id == "ffn-1" and not event.view.complete
+            assert event.view.epoch > first_epoch
+        # Nothing hangs: both sides get a typed error at once.
+        with pytest.raises(AfdPeerLost, match="afd peer lost: ffn rank 1"):
+            ffn0.next_payload(30)
+        with pytest.raises(AfdPeerLost, match="ffn-1"):
+            attn.publish(make_payload(51, 1, 1))
+
+        replacement = sim_worker(
+            tmp_path / "replacement.log",
+            daemon.address,
+            "ffn",
+            "--dp-rank",
+            "1",
+            "--dp-size",
+            "2",
+            "--worker-id",
+            "ffn-1",
+            "--steps",
+            "10",
+        )
+        procs.append(replacement)
+        view = attn.wait_complete(20)
+        assert view.epoch > first_epoch + 1
+        assert ffn0.wait_complete(5).epoch == view.epoch
+        publish_steps(attn, 51, 10)
+        assert [ffn0.next_payload(5).step_id for _ in range(10)] == list(range(51, 61))
+        report = replacement.json_report(20)
+        assert (report["received"], report["first_step"], report["problems"]) == (10, 51, [])
+    finally:
+        attn.close()
+        ffn0.close()
+
+
+def test_frozen_worker_is_declared_lost_by_keepalive(start_daemon, procs, tmp_path):
+    daemon = start_daemon("--liveness-timeout-s", str(LIVENESS_S))
+    victim = sim_worker(
+        tmp_path / "victim.log", daemon.address, "ffn", "--steps", "0", "--timeout", "60"
+    )
+    procs.append(victim)
+    attn = client(daemon, "attn-0", ATTENTION)
+    watcher = Watcher(attn)
+    try:
+        attn.wait_complete(10)
+        frozen_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGSTOP)
+        when, event = watcher.wait(Kind.PEER_LOST, LIVENESS_S + SLACK_S + 1)
+        assert when - frozen_at <= LIVENESS_S + SLACK_S
+        assert event.worker.role == afd_pb2.FFN
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        attn.close()
+
+
+def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, procs, tmp_path):
+    daemon = start_daemon("--expect-ffn", "2", "--drain-grace-s", "3")
+    ffn = [
+        sim_worker(
+            tmp_path / f"ffn{f}.log",
+            daemon.address,
+            "ffn",
+            "--dp-rank",
+            str(f),
+            "--dp-size",
+            "2",
+            "--steps",
+            "0",
+            "--timeout",
+            "60",
+        )
+        for f in range(2)
+    ]
+    procs.extend(ffn)
+    attn = client(daemon, "attn-0", ATTENTION)
+    try:
+        attn.wait_complete(10)
+        publish_steps(attn, 1, 20)
+        attn.flush()
+        daemon.signal(signal.SIGTERM)
+        daemon.signal(signal.SIGTERM)  # idempotent
+        for proc in ffn:
+            report = proc.json_report(10)
+            assert report["received"] == 20 and "SIGTERM received" in report["stopped"]
+            assert proc.wait(5) == 0
+        assert daemon.wait(5) == 0
+        assert "draining: SIGTERM received" in daemon.log()
+    finally:
+        attn.close()
+
+
+def test_daemon_killed_and_restarted_clients_reconnect_under_a_new_epoch(start_daemon, tmp_path):
+    daemon = start_daemon("--liveness-timeout-s", str(LIVENESS_S))
+    attn = client(daemon, "attn-0", ATTENTION)
+    ffn = client(daemon, "ffn-0", FFN)
+    try:
+        old = attn.wait_complete(10)
+        publish_steps(attn, 1, 5)
+        assert [ffn.next_payload(5).step_id for _ in range(5)] == [1, 2, 3, 4, 5]
+
+        daemon.signal(signal.SIGKILL)
+        daemon.wait(5)
+        killed_at = time.monotonic()
+        with pytest.raises(AfdControllerUnreachable, match="unreachable"):
+            ffn.next_payload(LIVENESS_S + SLACK_S)
+        assert time.monotonic() - killed_at <= LIVENESS_S + SLACK_S
+        with pytest.raises(AfdControllerUnreachable):
+            attn.publish(make_payload(6, 1, 1))
+        with pytest.raises(AfdControllerUnreachable):  # still down: fails at once, no hang
+            ffn.next_payload(30)
+
+        start_daemon("--liveness-timeout-s", str(LIVENESS_S), listen=daemon.address)
+        new = attn.wait_complete(20)
+        assert new.epoch > old.epoch
+        assert new.controller_incarnation != old.controller_incarnation
+        ffn.wait_complete(10)
+        publish_steps(attn, 1, 5)  # a new daemon: step ids start again
+        assert [ffn.next_payload(5).step_id for _ in range(5)] == [1, 2, 3, 4, 5]
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_stop_from_the_cli_reaches_workers(start_daemon, tmp_path):
+    daemon = start_daemon()
+    ffn = client(daemon, "ffn-0", FFN)
+    attn = client(daemon, "attn-0", ATTENTION)
+    try:
+        ffn.wait_complete(10)
+        from afd_ctl.cli import main
+
+        assert main(["stop", "--controller", daemon.address, "--reason", "maintenance"]) == 0
+        with pytest.raises(AfdStopped, match="maintenance"):
+            ffn.next_payload(5)
+        assert daemon.wait(10) == 0
+    finally:
+        ffn.close()
+        attn.close()

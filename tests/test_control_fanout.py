@@ -1,0 +1,55 @@
+"""Registration, routing and fan-out through a real daemon with workers in separate processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.procs import sim_worker
+
+STEPS = 3000
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "ffn_peers"),
+    [(1, 1, [[0]]), (2, 1, [[0, 1]]), (1, 2, [[0], [0]]), (3, 2, [[0, 2], [1]])],
+    ids=["1:1", "2:1", "1:2", "3:2"],
+)
+def test_every_payload_reaches_its_ffn_workers_in_order(
+    start_daemon, procs, tmp_path, m, n, ffn_peers
+):
+    daemon = start_daemon("--expect-attention", str(m), "--expect-ffn", str(n))
+    ffn = []
+    for f in range(n):
+        args = ["--dp-rank", str(f), "--dp-size", str(n), "--attention-dp-size", str(m)]
+        ffn.append(
+            sim_worker(
+                tmp_path / f"ffn{f}.log",
+                daemon.address,
+                "ffn",
+                *args,
+                "--steps",
+                "0",
+                "--hold-s",
+                "60",
+            )
+        )
+    attention = []
+    for a in range(m):
+        args = ["--dp-rank", str(a), "--dp-size", str(m), "--attention-dp-size", str(m)]
+        args += ["--steps", str(STEPS), "--send-stop", "--hold-s", "60"]
+        attention.append(sim_worker(tmp_path / f"attn{a}.log", daemon.address, "attention", *args))
+    procs.extend(ffn + attention)
+
+    reports = [p.json_report(timeout=120) for p in ffn]
+    for f, report in enumerate(reports):
+        assert report["problems"] == [], report
+        assert report["role_rank"] == f
+        assert report["peers"] == ffn_peers[f]
+        assert (report["received"], report["first_step"], report["last_step"]) == (STEPS, 1, STEPS)
+        assert "attention side sent stop" in report["stopped"]
+    senders = min(m, n)
+    for a, proc in enumerate(attention):
+        if a < senders:
+            report = proc.json_report(timeout=120)
+            assert report["is_sender"] and report["published"] == STEPS
+            assert report["peers"] == [f for f in range(n) if f % senders == a % senders]
