@@ -236,9 +236,13 @@ class ControllerClient:
                     log.error("afd-ctl refused registration: %s: %s", code.name, details)
                     self._cond.notify_all()
                     return
+                if registered_here or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK):
+                    what = "unreachable"
+                else:
+                    what = "did not accept the registration"
                 self._unreachable = AfdControllerUnreachable(
-                    f"afd-ctl at {self.target} unreachable ({code.name}: {details}); "
-                    "reconnecting in the background"
+                    f"afd-ctl at {self.target} {what} ({code.name}: {details}); "
+                    "retrying in the background"
                 )
                 if registered_here:
                     log.warning("%s", self._unreachable)
