@@ -30,7 +30,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 demo: setup
-	$(PY) -m afd_ctl.demo
+	$(PY) scripts/demo.py
 
 bench: setup
 	$(PY) benchmarks/control_hop.py --quick

@@ -150,6 +150,17 @@ class ControllerClient:
                     raise AfdTimeout(self._incomplete_message(f"after {timeout_s:.1f} s"))
                 self._cond.wait(remaining)
 
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Blocks until the job is stopped (stop payload or STOP event); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._stopped is None and self._fatal is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return self._stopped is not None
+
     def _incomplete_message(self, when: str) -> str:
         if self._unreachable is not None:
             return f"{self._unreachable} ({when})"

@@ -54,6 +54,8 @@ class Controller:
         self.payloads_rejected = 0
         self.last_step_id = 0
         self.health_listeners: list[Callable[[str], None]] = []
+        # The address actually bound (the configured one may say port 0).
+        self.listen_address = config.listen
         self._targets: dict[int, list[Mailbox[afd_pb2.SessionMessage]]] = {}
         self._targets_epoch = -1
 
@@ -275,7 +277,7 @@ class Controller:
             steps_relayed=self.steps_relayed,
             payloads_rejected=self.payloads_rejected,
             uptime_s=time.monotonic() - self.started_at,
-            listen=self.config.listen,
+            listen=self.listen_address,
         )
         for role in ROLES:
             status.roles.add(

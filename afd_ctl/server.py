@@ -74,6 +74,7 @@ class ControllerServer:
             server,
         )
         self.address = self._bind(server)
+        self.controller.listen_address = self.address
         self._server = server
         await self._set_health(self.controller.health)
         self.controller.health_listeners.append(

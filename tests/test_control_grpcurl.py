@@ -109,3 +109,24 @@ def test_grpcurl_lists_describes_checks_health_reads_status_and_taps(start_daemo
     finally:
         attn.close()
         ffn.close()
+
+
+def test_prometheus_metrics(start_daemon):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = start_daemon("--metrics-port", str(port))
+    client = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
+    try:
+        client.connect(10)
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        )
+    finally:
+        client.close()
+    assert 'afd_ctl_workers_registered{role="ffn"} 1.0' in text
+    assert 'afd_ctl_workers_expected{role="attention"} 1.0' in text
+    assert "afd_ctl_serving 0.0" in text and "afd_ctl_epoch " in text
