@@ -53,3 +53,24 @@ def test_every_payload_reaches_its_ffn_workers_in_order(
             report = proc.json_report(timeout=120)
             assert report["is_sender"] and report["published"] == STEPS
             assert report["peers"] == [f for f in range(n) if f % senders == a % senders]
+
+
+def test_unix_socket_listen(start_daemon, procs, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    socket_path = tmp_path / "afd.sock"
+    daemon = start_daemon(listen=f"unix:{socket_path}")
+    assert daemon.address == f"unix:{socket_path}"
+    ffn = sim_worker(tmp_path / "ffn.log", daemon.address, "ffn", "--steps", "100")
+    attn = sim_worker(tmp_path / "attn.log", daemon.address, "attention", "--steps", "100",
+                      "--hold-s", "30")  # fmt: skip
+    procs.extend([ffn, attn])
+    report = ffn.json_report(60)
+    assert (report["received"], report["problems"]) == (100, [])
+    status = subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "status", "--json", "--controller", daemon.address],
+        capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    assert json.loads(status.stdout)["steps_relayed"] == "100"
