@@ -7,10 +7,24 @@ skipped silently: the caller cuts the stream off with a reason instead.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import deque
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+if sys.version_info >= (3, 11):
+
+    async def _wait_with_timeout(event: asyncio.Event, timeout_s: float) -> None:
+        # asyncio.timeout arms one timer; wait_for would also create a task per call, and
+        # this wait runs once per relayed step on every idle session.
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+else:
+
+    async def _wait_with_timeout(event: asyncio.Event, timeout_s: float) -> None:
+        await asyncio.wait_for(event.wait(), timeout_s)
 
 
 class MailboxClosed(Exception):
@@ -68,6 +82,6 @@ class Mailbox(Generic[T]):
                 await self._ready.wait()
                 continue
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout_s)
+                await _wait_with_timeout(self._ready, timeout_s)
             except asyncio.TimeoutError:
                 return None
