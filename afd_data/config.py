@@ -1,0 +1,187 @@
+"""TransportConfig: the one frozen config of the data plane.
+
+It sizes the buffers registered at start-up (so every peer must use equal shape fields; the
+blob carries them and ``connect`` compares) and bounds every wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from afd_data.errors import AfdBadInput
+
+logger = logging.getLogger(__name__)
+
+# Accepted spellings -> canonical name, and the canonical name's size in bytes.
+_DTYPE_ALIASES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "int32": "int32",
+    "int64": "int64",
+}
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8}
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+ENV_PREFIX = "AFD_DATA_"
+
+
+def canonical_dtype(name: object, *, allowed: tuple[str, ...] = tuple(DTYPE_SIZES)) -> str:
+    """Maps "bf16", "torch.bfloat16", "float32", ... to a canonical dtype name."""
+    text = str(name).strip().lower().removeprefix("torch.").removeprefix("numpy.")
+    canonical = _DTYPE_ALIASES.get(text)
+    if canonical is None or canonical not in allowed:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(allowed)}")
+    return canonical
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """Shape of the data plane plus its bounds. Shape fields must match on every peer."""
+
+    # --- shape: sizes the registered buffers; equal on all peers -------------------------
+    hidden_size: int
+    # Most tokens one attention DP rank contributes to one stage of a step.
+    max_tokens_per_peer: int
+    dtype: str = "bfloat16"
+    # Micro-batches per step: 1, or 2 under dual-batch overlap.
+    num_stages: int = 1
+    # Receive slots per stage: slot = layer % layers_in_flight. 1 suffices when every layer
+    # needs the previous layer's output; more lets a sender run ahead.
+    layers_in_flight: int = 1
+    # Extra per-token columns sent with the hidden states (router logits or top-k ids when the
+    # gate stays on the attention side); 0 sends none.
+    router_width: int = 0
+    router_dtype: str = "float32"
+    # M attention and N FFN role ranks; the routing and buffer counts follow from them.
+    num_attention: int = 1
+    num_ffn: int = 1
+    # Attention role rank = dp_rank * attention_tp_size + tp_rank.
+    attention_tp_size: int = 1
+    # --- bounds and polling --------------------------------------------------------------
+    # Default bound of one receive (hidden states or outputs) before the peer counts as lost.
+    recv_timeout_s: float = 30.0
+    # Bound of one local transfer completion (a slot reused, a flush).
+    transfer_timeout_s: float = 10.0
+    # While a wait lasts longer than this, probe the awaited peers with a tiny notification so
+    # a dead one surfaces as a NIXL disconnect long before the receive bound.
+    probe_interval_s: float = 0.1
+    # A wait spins this long on NIXL before it sleeps between polls, then sleeps this long.
+    poll_spin_us: float = 100.0
+    poll_sleep_us: float = 20.0
+    # NIXL progress thread; off by default (on small hosts it starves the workers, and the
+    # transport polls NIXL itself in every wait and in flush()).
+    progress_thread: bool = False
+    # Prepared transfer handles kept per peer (keyed by slot, offset and row count).
+    handles_per_peer: int = 1024
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        try:
+            set_(self, "dtype", canonical_dtype(self.dtype, allowed=HIDDEN_DTYPES))
+        except ValueError as e:
+            raise AfdBadInput(f"TransportConfig.dtype: {e}") from None
+        try:
+            set_(self, "router_dtype", canonical_dtype(self.router_dtype))
+        except ValueError as e:
+            raise AfdBadInput(f"TransportConfig.router_dtype: {e}") from None
+        for name in (
+            "hidden_size",
+            "max_tokens_per_peer",
+            "layers_in_flight",
+            "num_attention",
+            "num_ffn",
+            "attention_tp_size",
+            "handles_per_peer",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise AfdBadInput(f"TransportConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.num_stages not in (1, 2):
+            raise AfdBadInput(f"TransportConfig.num_stages must be 1 or 2, got {self.num_stages!r}")
+        if not isinstance(self.router_width, int) or self.router_width < 0:
+            raise AfdBadInput(
+                f"TransportConfig.router_width must be >= 0, got {self.router_width!r}"
+            )
+        if self.num_attention % self.attention_tp_size:
+            raise AfdBadInput(
+                f"TransportConfig.num_attention ({self.num_attention}) must be a multiple of "
+                f"attention_tp_size ({self.attention_tp_size})"
+            )
+        for name in ("recv_timeout_s", "transfer_timeout_s", "probe_interval_s"):
+            if not getattr(self, name) > 0:
+                raise AfdBadInput(
+                    f"TransportConfig.{name} must be > 0, got {getattr(self, name)!r}"
+                )
+        for name in ("poll_spin_us", "poll_sleep_us"):
+            if getattr(self, name) < 0:
+                raise AfdBadInput(
+                    f"TransportConfig.{name} must be >= 0, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def router_itemsize(self) -> int:
+        return DTYPE_SIZES[self.router_dtype]
+
+    @property
+    def attention_dp_size(self) -> int:
+        """Length of every ``num_tokens_across_dp`` list."""
+        return self.num_attention // self.attention_tp_size
+
+    def shape_fields(self) -> dict[str, Any]:
+        """The fields that must be equal on every peer (what the blob carries)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "router_width": self.router_width,
+            "router_dtype": self.router_dtype,
+            "max_tokens_per_peer": self.max_tokens_per_peer,
+            "num_stages": self.num_stages,
+            "layers_in_flight": self.layers_in_flight,
+            "num_attention": self.num_attention,
+            "num_ffn": self.num_ffn,
+            "attention_tp_size": self.attention_tp_size,
+        }
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **flags: Any) -> TransportConfig:
+        """Flags first, then ``AFD_DATA_<FIELD>`` environment variables, then defaults."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            if field.name in flags and flags[field.name] is not None:
+                values[field.name] = flags[field.name]
+                continue
+            raw = env.get(ENV_PREFIX + field.name.upper())
+            if raw is None:
+                continue
+            kind = field.type if isinstance(field.type, str) else field.type.__name__
+            try:
+                if kind == "int":
+                    values[field.name] = int(raw)
+                elif kind == "float":
+                    values[field.name] = float(raw)
+                elif kind == "bool":
+                    values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                else:
+                    values[field.name] = raw
+            except ValueError:
+                raise AfdBadInput(
+                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {kind}"
+                ) from None
+        unknown = set(flags) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise AfdBadInput(f"unknown TransportConfig fields: {', '.join(sorted(unknown))}")
+        return cls(**values)

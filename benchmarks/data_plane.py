@@ -1,0 +1,535 @@
+"""Data plane: per-layer round trip attention -> FFN -> attention, and bulk bandwidth.
+
+Two processes (this one is the attention side, a child started with ``--serve`` the FFN
+side), DeepSeek-V3 shapes: hidden 7168, bf16, 64/128/256 tokens (0.9, 1.75, 3.5 MiB each way).
+Side by side in the same run:
+  (a) afd:      afd_data.NixlTransport, the FFN side computing nothing (it answers from its
+                output buffer without touching it);
+  (b) raw NIXL: the same sizes as a prepared, re-posted WRITE with a notification each way,
+                written directly against the NIXL API, with the same polling policy;
+  (c) floor:    an in-process copy of the same bytes (numpy on CPU, torch on GPU with a stream
+                sync): what a transfer cannot beat.
+Bandwidth is a round trip of S bytes each way, reported as 2 S / round trip (one-way
+bandwidth averaged over both directions), for afd and raw NIXL; the floor is S / copy time.
+Before timing, a verification pass echoes random data through both paths and checks every
+byte. Rendezvous: blobs over the child's stdin/stdout.
+
+    python benchmarks/data_plane.py --quick               # CPU: host DRAM, numpy
+    python benchmarks/data_plane.py --quick --device cuda  # GPU: VRAM, torch
+
+The last printed line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+HIDDEN = 7168
+ROW_BYTES = HIDDEN * 2  # bf16
+TOKENS = (64, 128, 256)
+LAYERS_PER_STEP = 61  # DeepSeek-V3
+PREFIX = "@@ "  # protocol lines on the child's stdout; anything else is ignored
+
+
+def size_label(tokens: int) -> str:
+    return {64: "0p9MiB", 128: "1p75MiB", 256: "3p5MiB"}.get(
+        tokens, f"{tokens * ROW_BYTES / 2**20:.2f}MiB".replace(".", "p")
+    )
+
+
+# ---------------------------------------------------------------------------- memory helpers
+
+
+class Buffers:
+    """Plain (unregistered-by-afd) device memory for the raw NIXL path and the floor."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.cuda = device != "cpu"
+        if self.cuda:
+            import torch
+
+            self.torch = torch
+
+    def alloc(self, nbytes: int) -> Any:
+        if self.cuda:
+            return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    def ptr(self, buf: Any) -> int:
+        return int(buf.data_ptr()) if self.cuda else int(buf.__array_interface__["data"][0])
+
+    def dev_id(self) -> int:
+        if not self.cuda:
+            return 0
+        return self.torch.device(self.device).index or 0
+
+    @property
+    def mem_type(self) -> str:
+        return "VRAM" if self.cuda else "DRAM"
+
+    def random_rows(self, rows: int) -> Any:
+        data = np.random.default_rng(rows).integers(0, 1 << 16, (rows, HIDDEN), dtype=np.uint16)
+        if self.cuda:
+            return (
+                self.torch.from_numpy(data.view(np.int16)).to(self.device).view(self.torch.bfloat16)
+            )
+        return data
+
+    def equal(self, a: Any, b: Any) -> bool:
+        if self.cuda:
+            return bool(self.torch.equal(a.view(self.torch.int16), b.view(self.torch.int16)))
+        return bool(np.array_equal(a, b))
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        if self.cuda:
+            dst.copy_(src)
+        else:
+            np.copyto(dst, src)
+
+
+def pctl(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q))
+
+
+# ---------------------------------------------------------------------------- raw NIXL
+
+
+class RawNixl:
+    """The reference: one registered send and receive buffer, one prepared WRITE per size,
+    re-posted with a fresh notification; the receiver waits on get_new_notifs."""
+
+    def __init__(
+        self,
+        name: str,
+        bufs: Buffers,
+        max_bytes: int,
+        sizes: list[int],
+        poll: dict[str, float] | None = None,
+    ):
+        from afd_data.config import TransportConfig
+        from afd_data.nixl_loader import import_nixl
+        from afd_data.poll import Backoff
+
+        api, _ = import_nixl()
+        poll = poll or {}
+        cfg = TransportConfig(
+            hidden_size=1,
+            max_tokens_per_peer=1,
+            poll_spin_us=poll.get("poll_spin_us", 100.0),
+            poll_sleep_us=poll.get("poll_sleep_us", 20.0),
+        )
+        self.backoff = Backoff(cfg.poll_spin_us * 1e-6, cfg.poll_sleep_us * 1e-6)
+        self.bufs = bufs
+        self.sizes = sizes
+        self.agent = api.nixl_agent(
+            name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
+        self.send = bufs.alloc(max_bytes)
+        self.recv = bufs.alloc(max_bytes)
+        dev = bufs.dev_id()
+        self.agent.register_memory(
+            [(bufs.ptr(self.send), max_bytes, dev, ""), (bufs.ptr(self.recv), max_bytes, dev, "")],
+            bufs.mem_type,
+        )
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [(bufs.ptr(self.send), s, dev) for s in sizes], bufs.mem_type
+        )
+        self.handles: list[Any] = []
+        self.posted: set[int] = set()  # indices of handles posted at least once
+        self.peer = ""
+        self.counter = 0
+
+    def hello(self) -> dict[str, Any]:
+        return {
+            "raw_md": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "raw_recv": self.bufs.ptr(self.recv),
+            "raw_dev": self.bufs.dev_id(),
+        }
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        self.peer = self.agent.add_remote_agent(base64.b64decode(peer["raw_md"])).decode()
+        remote = self.agent.prep_xfer_dlist(
+            self.peer,
+            [(peer["raw_recv"], s, peer["raw_dev"]) for s in self.sizes],
+            self.bufs.mem_type,
+        )
+        self.remote = remote
+        self.handles = [
+            self.agent.make_prepped_xfer("WRITE", self.local, [i], remote, [i], b"r")
+            for i in range(len(self.sizes))
+        ]
+
+    def post(self, index: int) -> None:
+        h = self.handles[index]
+        self.counter += 1
+        if index in self.posted and self.agent.check_xfer_state(h) == "PROC":
+            self.wait(lambda: self.agent.check_xfer_state(h) != "PROC", 10.0)  # not yet reaped
+        if self.agent.transfer(h, b"r%d" % self.counter) == "ERR":
+            raise RuntimeError("raw WRITE failed")
+        self.posted.add(index)
+
+    def idle(self) -> bool:
+        """Polls every posted WRITE (their notifications leave only while we poll)."""
+        return all(self.agent.check_xfer_state(self.handles[i]) != "PROC" for i in self.posted)
+
+    def wait_notif(self, timeout_s: float = 30.0) -> None:
+        got: list[bytes] = []
+
+        def ready() -> bool:
+            for msgs in self.agent.get_new_notifs().values():
+                got.extend(msgs)
+            self.idle()  # keep our own WRITEs (and their notifications) moving
+            return bool(got)
+
+        self.wait(ready, timeout_s)
+
+    def wait(self, ready: Any, timeout_s: float) -> None:
+        now = time.monotonic()
+        deadline = now + timeout_s
+        self.backoff.reset(now)
+        while not ready():
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError("raw NIXL wait timed out")
+            self.backoff.pause(now)
+
+
+# ---------------------------------------------------------------------------- the FFN child
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The FFN side: answers commands from the parent over stdin/stdout."""
+    if args.device != "cpu":
+        import torch  # noqa: F401  (before NIXL: it picks its CUDA wheel from torch)
+    from afd_data import NixlTransport, TransportConfig
+
+    def say(obj: dict[str, Any]) -> None:
+        sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    cfg = TransportConfig(**json.loads(args.config))
+    bufs = Buffers(args.device)
+    t = NixlTransport(f"bench-ffn-{os.getpid()}", "ffn", 0, cfg, device=args.device)
+    poll = {k: v for k, v in json.loads(args.config).items() if k.startswith("poll_")}
+    raw = RawNixl(
+        f"bench-raw-ffn-{os.getpid()}", bufs, args.raw_max, json.loads(args.raw_sizes), poll
+    )
+    say({"blob": base64.b64encode(t.blob()).decode(), **raw.hello()})
+    peer = json.loads(sys.stdin.readline())
+    t.connect(1, [("attention", 0, 0, base64.b64decode(peer["blob"]))])
+    raw.connect(peer)
+    say({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["phase"] == "afd":
+            for step in range(cmd["first_step"], cmd["first_step"] + cmd["steps"]):
+                t.begin_step(step, [[cmd["rows"]]])
+                for layer in range(cmd["layers"]):
+                    batch = t.recv_hidden(layer, 0)
+                    out = t.output_buffer(layer, 0)
+                    if cmd["echo"]:
+                        bufs.copy(out, batch.hidden)
+                    t.send_output(layer, 0, out)
+                t.end_step()
+        elif cmd["phase"] == "raw":
+            for _ in range(cmd["iters"]):
+                raw.wait_notif()
+                if cmd["echo"]:
+                    n = raw.sizes[cmd["index"]]
+                    bufs.copy(raw.send[:n], raw.recv[:n])
+                    bufs.sync()
+                raw.post(cmd["index"])
+            raw.wait(raw.idle, 30)
+        elif cmd["phase"] == "quit":
+            break
+        say({"ok": cmd["phase"]})
+    t.close()
+
+
+# ---------------------------------------------------------------------------- the attention side
+
+
+class Child:
+    def __init__(
+        self, args: argparse.Namespace, config: dict[str, Any], raw_sizes: list[int], raw_max: int
+    ):
+        argv = [
+            sys.executable,
+            __file__,
+            "--serve",
+            "--device",
+            args.peer_device or args.device,
+            "--config",
+            json.dumps(config),
+            "--raw-sizes",
+            json.dumps(raw_sizes),
+            "--raw-max",
+            str(raw_max),
+        ]
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"FFN child silent for {timeout_s} s") from None
+        if line is None:
+            raise RuntimeError(f"FFN child exited ({self.proc.wait(10)})")
+        return json.loads(line)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                self.lines.put(line[len(PREFIX) :])
+        self.lines.put(None)
+
+    def close(self) -> None:
+        try:
+            self.send({"phase": "quit"})
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cuda = args.device != "cpu"
+    if cuda:
+        import torch
+
+        torch.cuda.set_device(torch.device(args.device))
+    from afd_data import NixlTransport, TransportConfig
+
+    quick = args.quick
+    tokens_list = tuple(int(x) for x in args.tokens.split(","))
+    bw_target = args.bw_mib * 2**20
+    bw_rows = bw_target // ROW_BYTES
+    bw_bytes = bw_rows * ROW_BYTES
+    rt_iters = args.iters or (600 if quick else 5000)
+    bw_iters = args.bw_iters or ((6 if not cuda else 30) if quick else (20 if not cuda else 200))
+
+    config = {
+        "hidden_size": HIDDEN,
+        "max_tokens_per_peer": max(max(tokens_list), bw_rows),
+        "dtype": "bfloat16",
+        "recv_timeout_s": 60.0,
+        "transfer_timeout_s": 60.0,
+        "poll_spin_us": args.spin_us,
+        "poll_sleep_us": args.sleep_us,
+    }
+    raw_sizes = [tok * ROW_BYTES for tok in tokens_list] + [bw_bytes]
+    bufs = Buffers(args.device)
+    child = Child(args, config, raw_sizes, bw_bytes)
+    t = NixlTransport(
+        f"bench-attn-{os.getpid()}", "attention", 0, TransportConfig(**config), device=args.device
+    )
+    poll = {"poll_spin_us": args.spin_us, "poll_sleep_us": args.sleep_us}
+    raw = RawNixl(f"bench-raw-attn-{os.getpid()}", bufs, bw_bytes, raw_sizes, poll)
+    try:
+        hello = child.read()
+        child.send({"blob": base64.b64encode(t.blob()).decode(), **raw.hello()})
+        t.connect(1, [("ffn", 0, 0, base64.b64decode(hello["blob"]))])
+        raw.connect(hello)
+        child.read()  # ready
+        step = [0]
+
+        def afd_rt(rows: int, layers: int, steps: int, echo: bool, data: Any = None) -> list[float]:
+            """Per-layer round trips through afd_data (seconds)."""
+            child.send(
+                {
+                    "phase": "afd",
+                    "rows": rows,
+                    "layers": layers,
+                    "steps": steps,
+                    "first_step": step[0],
+                    "echo": echo,
+                }
+            )
+            times: list[float] = []
+            ok = True
+            for _ in range(steps):
+                t.begin_step(step[0], [[rows]])
+                step[0] += 1
+                for layer in range(layers):
+                    hidden, _ = t.hidden_buffer(layer, 0)
+                    if data is not None:
+                        bufs.copy(hidden, data)
+                    start = time.perf_counter()
+                    t.send_hidden(layer, 0, hidden)
+                    (out,) = t.recv_outputs(layer, 0)
+                    times.append(time.perf_counter() - start)
+                    if data is not None:
+                        ok = ok and bufs.equal(out, data)
+                t.end_step()
+            assert child.read()["ok"] == "afd"
+            if not ok:
+                raise AssertionError(f"afd_data echo of {rows} rows came back different")
+            return times
+
+        def raw_rt(index: int, iters: int, echo: bool, data: Any = None) -> list[float]:
+            child.send({"phase": "raw", "index": index, "iters": iters, "echo": echo})
+            n = raw.sizes[index]
+            times: list[float] = []
+            for _ in range(iters):
+                if data is not None:
+                    bufs.copy(raw.send[:n], data.reshape(-1).view(raw.send.dtype))
+                    bufs.sync()
+                start = time.perf_counter()
+                raw.post(index)
+                raw.wait_notif()
+                times.append(time.perf_counter() - start)
+                if data is not None and not bufs.equal(raw.recv[:n], raw.send[:n]):
+                    raise AssertionError(f"raw NIXL echo of {n} bytes came back different")
+            assert child.read()["ok"] == "raw"
+            return times
+
+        # Verification: random data echoed through both paths, every byte compared.
+        for tokens in (*tokens_list, 1):
+            afd_rt(tokens, 3, 1, echo=True, data=bufs.random_rows(tokens))
+        afd_rt(bw_rows, 1, 1, echo=True, data=bufs.random_rows(bw_rows))
+        for i, tokens in enumerate(tokens_list):
+            raw_rt(i, 2, echo=True, data=bufs.random_rows(tokens))
+        raw_rt(len(tokens_list), 1, echo=True, data=bufs.random_rows(bw_rows))
+        verified = True
+
+        result: dict[str, Any] = {}
+        for i, tokens in enumerate(tokens_list):
+            steps = max(2, -(-rt_iters // LAYERS_PER_STEP))
+            afd_rt(tokens, LAYERS_PER_STEP, 1, echo=False)  # warm-up: handles, caches
+            raw_rt(i, 50, echo=False)
+            # Interleave afd and raw in rounds so drift on a shared host hits both alike.
+            afd_times: list[float] = []
+            raw_times: list[float] = []
+            for _ in range(4):
+                afd_times += afd_rt(tokens, LAYERS_PER_STEP, -(-steps // 4), echo=False)
+                raw_times += raw_rt(i, -(-rt_iters // 4), echo=False)
+            label = size_label(tokens)
+            result[f"rt_{label}_p50_us"] = round(pctl(afd_times, 50) * 1e6, 1)
+            result[f"rt_{label}_p99_us"] = round(pctl(afd_times, 99) * 1e6, 1)
+            result[f"raw_nixl_rt_{label}_p50_us"] = round(pctl(raw_times, 50) * 1e6, 1)
+            result[f"raw_nixl_rt_{label}_p99_us"] = round(pctl(raw_times, 99) * 1e6, 1)
+            result[f"rt_{label}_samples"] = len(afd_times)
+
+        # Bandwidth.
+        afd_bw = afd_rt(bw_rows, 1, bw_iters, echo=False)
+        raw_bw = raw_rt(len(tokens_list), bw_iters, echo=False)
+        src, dst = bufs.alloc(bw_bytes), bufs.alloc(bw_bytes)
+        copies = []
+        for _ in range(max(5, bw_iters)):
+            bufs.sync()
+            start = time.perf_counter()
+            bufs.copy(dst, src)
+            bufs.sync()
+            copies.append(time.perf_counter() - start)
+        floor_rt = []  # the 1.75 MiB round trip as two in-process copies
+        small_src, small_dst = src[: 128 * ROW_BYTES], dst[: 128 * ROW_BYTES]
+        for _ in range(200):
+            bufs.sync()
+            start = time.perf_counter()
+            bufs.copy(small_dst, small_src)
+            bufs.copy(small_src, small_dst)
+            bufs.sync()
+            floor_rt.append(time.perf_counter() - start)
+
+        ref = size_label(128 if 128 in tokens_list else tokens_list[0])
+        bw = 2 * bw_bytes / pctl(afd_bw, 50) / 1e9
+        raw_bw_gbps = 2 * bw_bytes / pctl(raw_bw, 50) / 1e9
+        floor_bw = bw_bytes / pctl(copies, 50) / 1e9
+        result.update(
+            {
+                "bw_256MiB_GBps": round(bw, 2),
+                "raw_nixl_bw_256MiB_GBps": round(raw_bw_gbps, 2),
+                "floor_bw_256MiB_GBps": round(floor_bw, 2),
+                "ratio_bw_vs_floor": round(bw / floor_bw, 3),
+                "ratio_bw_vs_raw_nixl": round(bw / raw_bw_gbps, 3),
+                "bw_size_bytes": bw_bytes,
+                "bw_size_MiB": round(bw_bytes / 2**20, 2),
+                "bw_iters": len(afd_bw),
+                "floor_copy_rt_1p75MiB_p50_us": round(pctl(floor_rt, 50) * 1e6, 1),
+                "ratio_rt_vs_raw_nixl": round(
+                    result[f"rt_{ref}_p50_us"] / result[f"raw_nixl_rt_{ref}_p50_us"], 3
+                ),
+                "verified": verified,
+            }
+        )
+        return result
+    finally:
+        t.close()
+        child.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer iterations (CPU: under 60 s)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--peer-device", default=None, help="the FFN child's device (default: same)")
+    p.add_argument("--iters", type=int, default=0, help="round trips per size (default by mode)")
+    p.add_argument("--bw-iters", type=int, default=0)
+    p.add_argument("--spin-us", type=float, default=100.0, help="poll spin before sleeping")
+    p.add_argument("--sleep-us", type=float, default=20.0, help="sleep between polls after")
+    p.add_argument("--tokens", default="64,128,256", help="round-trip token counts")
+    p.add_argument("--bw-mib", type=int, default=256, help="bandwidth transfer size")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--raw-sizes", help=argparse.SUPPRESS)
+    p.add_argument("--raw-max", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.device == "cuda":
+        args.device = "cuda:0"
+    if args.serve:
+        serve(args)
+        return
+    started = time.monotonic()
+    result = run(args)
+    out = {
+        "benchmark": "data_plane",
+        "device": args.device if args.device == "cpu" else _gpu_name(args.device),
+        "mode": "quick" if args.quick else "full",
+        "hidden_size": HIDDEN,
+        "dtype": "bfloat16",
+        "layers_per_step": LAYERS_PER_STEP,
+        "poll_spin_us": args.spin_us,
+        "poll_sleep_us": args.sleep_us,
+        **result,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(out))
+
+
+def _gpu_name(device: str) -> str:
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+
+
+if __name__ == "__main__":
+    main()

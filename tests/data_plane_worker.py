@@ -1,0 +1,290 @@
+"""One data-plane worker process for tests/test_data_plane.py (real NIXL agent, own process).
+
+It runs ``--steps`` steps of ``--layers`` layers with random per-step token counts (the same on
+every worker: they derive from ``--seed`` and the step id), fills every row with a pattern
+that names step, layer, stage and source, and checks every byte it receives: the FFN side
+checks the hidden states (and router columns) of every attention peer, and answers with
+``hidden + (ffn_rank + 1)`` (as 16-bit words), which the attention side checks per FFN peer.
+
+Events go to stdout as one JSON object a line; the last line is the result. Blobs are exchanged
+through files in ``--rdv`` (``exchange_blobs``), to be replaced by the afd-ctl daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from afd_data import AfdPeerLost, NixlTransport, Role, TransportConfig  # noqa: E402
+from afd_data.routing import peer_ranks  # noqa: E402
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+
+
+def exchange_blobs(
+    rdv: Path,
+    epoch: int,
+    role: Role,
+    rank: int,
+    blob: bytes,
+    config: TransportConfig,
+    timeout_s: float = 60.0,
+) -> list[tuple[Role, int, int, bytes]]:
+    """Rendezvous stand-in for the control plane: publish this worker's blob as a file, wait
+    for the blobs of every routed peer of the same epoch. Returns (role, rank, dp_rank, blob)."""
+    rdv.mkdir(parents=True, exist_ok=True)
+    mine = rdv / f"e{epoch}-{role.label}-{rank}.blob"
+    tmp = mine.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    tmp.rename(mine)
+    other = role.other
+    wanted = peer_ranks(role, rank, config.num_attention, config.num_ffn)
+    deadline = time.monotonic() + timeout_s
+    peers = []
+    for r in wanted:
+        path = rdv / f"e{epoch}-{other.label}-{r}.blob"
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no blob from {other.label} rank {r} in epoch {epoch}")
+            time.sleep(0.01)
+        dp = r // config.attention_tp_size if other is Role.ATTENTION else r
+        peers.append((other, r, dp, path.read_bytes()))
+    return peers
+
+
+def step_counts(
+    seed: int, step: int, stages: int, dp_size: int, max_tokens: int
+) -> list[list[int]]:
+    """Random token counts of a step, identical on every worker; about 1 in 6 ranks is idle."""
+    rng = np.random.default_rng([seed, step])
+    counts = rng.integers(1, max_tokens + 1, size=(stages, dp_size))
+    counts[rng.random(size=(stages, dp_size)) < 1 / 6] = 0
+    return counts.tolist()
+
+
+def pattern(
+    step: int, layer: int, stage: int, src: int, rows: int, cols: int, dtype: str, salt: int = 0
+) -> np.ndarray:
+    """Rows that name where they come from, in the transport's numpy dtype."""
+    np_dtype = {
+        "bfloat16": np.uint16,
+        "float16": np.float16,
+        "float32": np.float32,
+        "int32": np.int32,
+        "int64": np.int64,
+    }[dtype]
+    words = rows * cols * np.dtype(np_dtype).itemsize // 2
+    base = (step * 1_000_003 + layer * 10_007 + stage * 101 + src * 7 + salt * 13) & 0xFFFF
+    raw = ((np.arange(words, dtype=np.uint32) * 31 + base) & 0xFFFF).astype(np.uint16)
+    # Keep float patterns finite: clear the top exponent bit of every 16-bit word.
+    if np_dtype in (np.float16, np.float32):
+        raw &= 0x3FFF
+    return raw.view(np_dtype).reshape(rows, cols)
+
+
+def answer(hidden: np.ndarray, ffn_rank: int) -> np.ndarray:
+    """The FFN's 'computation': every 16-bit word plus (ffn_rank + 1)."""
+    words = hidden.view(np.uint16)
+    return (words + np.uint16(ffn_rank + 1)).view(hidden.dtype)
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def run_attention(
+    t: NixlTransport, args: argparse.Namespace, cfg: TransportConfig, first_step: int, steps: int
+) -> int:
+    """Returns the number of bytes checked."""
+    checked = 0
+    dp = t.role_rank // cfg.attention_tp_size
+    depth = args.depth
+    for i in range(steps):
+        step = first_step + i
+        counts = step_counts(
+            args.seed, step, args.stages, cfg.attention_dp_size, cfg.max_tokens_per_peer
+        )
+        t.begin_step(step, counts, epoch=args.epoch)
+        rows = [max(1, counts[s][dp]) for s in range(args.stages)]
+        sent: dict[tuple[int, int], np.ndarray] = {}
+        # Run `depth` layers ahead: send layer l, then take the output of layer l - depth + 1.
+        actions = []
+        for layer in range(args.layers):
+            actions.append(("send", layer))
+            if layer - depth + 1 >= 0:
+                actions.append(("recv", layer - depth + 1))
+        actions += [("recv", la) for la in range(max(0, args.layers - depth + 1), args.layers)]
+        for action, layer in actions:
+            for s in range(args.stages):
+                if action == "send":
+                    h = pattern(step, layer, s, t.role_rank, rows[s], cfg.hidden_size, cfg.dtype)
+                    r = None
+                    if cfg.router_width:
+                        r = pattern(
+                            step,
+                            layer,
+                            s,
+                            t.role_rank,
+                            rows[s],
+                            cfg.router_width,
+                            cfg.router_dtype,
+                            salt=1,
+                        )
+                    if (layer + s + step) % 2:  # zero-copy path half of the time
+                        hb, rb = t.hidden_buffer(layer, s)
+                        hb[...] = h
+                        if rb is not None:
+                            rb[...] = r
+                        t.send_hidden(layer, s, hb, rb)
+                    else:
+                        t.send_hidden(layer, s, h, r)
+                    sent[layer, s] = h
+                    if args.hang_at_step is not None and step >= args.hang_at_step and layer == 1:
+                        emit("hang", step=step, layer=layer)
+                        time.sleep(3600)  # stuck mid-step until the test kills this process
+                    continue
+                outs = t.recv_outputs(layer, s, timeout_s=args.timeout)
+                if len(outs) != len(t.peer_ranks):
+                    raise Mismatch(f"{len(outs)} outputs for {len(t.peer_ranks)} FFN peers")
+                for f, out in zip(t.peer_ranks, outs, strict=True):
+                    if not same(out, answer(sent[layer, s], f)):
+                        raise Mismatch(f"step {step} layer {layer} stage {s} output of ffn {f}")
+                    checked += out.nbytes
+                del sent[layer, s]
+        t.end_step()
+        if step % 25 == 0:
+            emit("step", step=step)
+    return checked
+
+
+def run_ffn(
+    t: NixlTransport, args: argparse.Namespace, cfg: TransportConfig, first_step: int, steps: int
+) -> int:
+    checked = 0
+    for i in range(steps):
+        step = first_step + i
+        counts = step_counts(
+            args.seed, step, args.stages, cfg.attention_dp_size, cfg.max_tokens_per_peer
+        )
+        t.begin_step(step, counts, epoch=args.epoch)
+        for layer in range(args.layers):
+            for s in range(args.stages):
+                batch = t.recv_hidden(layer, s, timeout_s=args.timeout)
+                if args.hang_at_step is not None and step >= args.hang_at_step and layer == 1:
+                    emit("hang", step=step, layer=layer)
+                    time.sleep(3600)  # stuck mid-step until the test kills this process
+                for piece in batch.slices:
+                    got = batch.hidden[piece.start : piece.start + piece.rows]
+                    want = pattern(
+                        step, layer, s, piece.role_rank, piece.rows, cfg.hidden_size, cfg.dtype
+                    )
+                    if not same(got, want):
+                        raise Mismatch(
+                            f"step {step} layer {layer} stage {s} hidden of attention "
+                            f"{piece.role_rank} (rows {piece.rows})"
+                        )
+                    if cfg.router_width:
+                        assert batch.router is not None
+                        got_r = batch.router[piece.start : piece.start + piece.rows]
+                        want_r = pattern(
+                            step,
+                            layer,
+                            s,
+                            piece.role_rank,
+                            piece.rows,
+                            cfg.router_width,
+                            cfg.router_dtype,
+                            salt=1,
+                        )
+                        if not same(got_r, want_r):
+                            raise Mismatch(
+                                f"step {step} layer {layer} stage {s} router of "
+                                f"attention {piece.role_rank}"
+                            )
+                    checked += got.nbytes
+                out = answer(batch.hidden, t.role_rank)
+                if (layer + s + step) % 2:
+                    buf = t.output_buffer(layer, s)
+                    buf[...] = out
+                    out = buf
+                t.send_output(layer, s, out)
+        t.end_step()
+        if step % 25 == 0:
+            emit("step", step=step)
+    return checked
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--role", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--rdv", type=Path, required=True)
+    p.add_argument("--config", required=True, help="TransportConfig fields as JSON")
+    p.add_argument("--epoch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--depth", type=int, default=1, help="layers the attention side runs ahead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=10.0, help="bound of one receive")
+    p.add_argument("--hang-at-step", type=int, default=None, help="get stuck mid-step")
+    p.add_argument(
+        "--survive",
+        type=int,
+        default=0,
+        help="after a peer loss, reconnect at epoch+1 and run this many steps",
+    )
+    args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    role = Role.parse(args.role)
+    cfg = TransportConfig(**json.loads(args.config))
+    name = f"{role.label}-{args.rank}-e{args.epoch}-{os.getpid()}"
+    t = NixlTransport(name, role, args.rank, cfg)
+    run = run_attention if role is Role.ATTENTION else run_ffn
+    checked = 0
+    try:
+        t.connect(args.epoch, exchange_blobs(args.rdv, args.epoch, role, args.rank, t.blob(), cfg))
+        emit("connected", epoch=args.epoch)
+        started = time.monotonic()
+        first = args.epoch * 1_000_000
+        try:
+            checked += run(t, args, cfg, first, args.steps)
+        except AfdPeerLost as e:
+            emit("peer_lost", message=str(e), epoch=args.epoch)
+            if not args.survive:
+                return 3
+            args.epoch += 1
+            peers = exchange_blobs(args.rdv, args.epoch, role, args.rank, t.blob(), cfg)
+            t.reconnect(args.epoch, peers)
+            emit("connected", epoch=args.epoch)
+            checked += run(t, args, cfg, args.epoch * 1_000_000, args.survive)
+        emit(
+            "done",
+            ok=True,
+            checked_bytes=checked,
+            elapsed_s=time.monotonic() - started,
+            epoch=args.epoch,
+        )
+        return 0
+    finally:
+        t.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
