@@ -101,6 +101,8 @@ class ControllerClient:
         self._stopped: AfdStopped | None = None
         self._lost: AfdPeerLost | None = None
         self._was_complete = False
+        # Epoch of the last complete view handed to the caller by wait_complete().
+        self._acknowledged_epoch = 0
         self._closing = False
         self._session_call: grpc.Call | None = None
         self._session_thread: threading.Thread | None = None
@@ -144,6 +146,8 @@ class ControllerClient:
                     raise self._stopped
                 view = self._view
                 if view is not None and view.complete and self._unreachable is None:
+                    # The caller has seen this epoch: older payloads and losses are history.
+                    self._acknowledged_epoch = max(self._acknowledged_epoch, view.epoch)
                     return view
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -298,7 +302,8 @@ class ControllerClient:
                 self._lost = AfdPeerLost(
                     f"afd peer lost: {afd_pb2.Role.Name(lost.role).lower()} rank "
                     f"{lost.role_rank} ({lost.worker_id}): {event.reason}; now epoch "
-                    f"{event.view.epoch}, waiting for a replacement"
+                    f"{event.view.epoch}, waiting for a replacement",
+                    epoch=event.view.epoch,
                 )
                 self._payloads.put(self._lost)
             self._note_view()
@@ -334,21 +339,35 @@ class ControllerClient:
 
         AfdStopped (exit cleanly), AfdPeerLost (call wait_complete, reconnect the data plane),
         AfdControllerUnreachable (the client is reconnecting), AfdTimeout (nothing came)."""
-        try:
-            item = self._payloads.get_nowait()
-        except queue.Empty:
-            self._raise_condition()
+        deadline = time.monotonic() + timeout_s
+        while True:
             try:
-                item = self._payloads.get(timeout=timeout_s)
+                item = self._payloads.get_nowait()
             except queue.Empty:
                 self._raise_condition()
-                raise AfdTimeout(
-                    f"no payload from afd-ctl within {timeout_s:.3f} s "
-                    f"(epoch {self._view.epoch if self._view else '-'})"
-                ) from None
+                try:
+                    item = self._payloads.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    self._raise_condition()
+                    raise AfdTimeout(
+                        f"no payload from afd-ctl within {timeout_s:.3f} s "
+                        f"(epoch {self._view.epoch if self._view else '-'})"
+                    ) from None
+            if self._is_history(item):
+                continue
+            if isinstance(item, AfdError):
+                raise item
+            return item
+
+    def _is_history(self, item: afd_pb2.AFDControlPayload | AfdError) -> bool:
+        """Payloads and losses from before the epoch the caller last waited for are dropped:
+        the caller already reconnected past them."""
+        acknowledged = self._acknowledged_epoch
+        if isinstance(item, AfdPeerLost):
+            return item.epoch is not None and item.epoch <= acknowledged
         if isinstance(item, AfdError):
-            raise item
-        return item
+            return False
+        return item.epoch < acknowledged
 
     def _raise_condition(self) -> None:
         """Raises what keeps this worker from making progress now, if anything."""

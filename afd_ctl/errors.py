@@ -25,7 +25,13 @@ class AfdError(Exception):
 
 
 class AfdPeerLost(AfdError):
-    """A worker this one depends on was lost; wait for the set to be complete again."""
+    """A worker this one depends on was lost; wait for the set to be complete again.
+
+    `epoch` is the membership epoch after the loss, when known."""
+
+    def __init__(self, message: str, *, epoch: int | None = None) -> None:
+        super().__init__(message)
+        self.epoch = epoch
 
 
 class AfdStopped(AfdError):

@@ -6,6 +6,8 @@ runs inside serving workers where a vague failure turns into a hang or a silent 
 
 from __future__ import annotations
 
+from afd_ctl import errors as control_errors
+
 
 class AfdDataError(Exception):
     """Base of every data-plane error."""
@@ -15,17 +17,17 @@ class AfdBadInput(AfdDataError, ValueError):
     """The caller passed something the transport cannot honour; nothing was sent or changed."""
 
 
-class AfdPeerLost(AfdDataError):
+class AfdPeerLost(AfdDataError, control_errors.AfdPeerLost):
     """A peer died, disconnected, or missed its bound; the transport is unusable until
     ``reconnect()`` with the control plane's new epoch.
 
-    The message always starts with ``afd peer lost:`` so that logs can be grepped for it.
+    The message always starts with ``afd peer lost:`` so that logs can be grepped for it. It
+    is also an ``afd_ctl.errors.AfdPeerLost``, so one handler covers both planes.
     """
 
     def __init__(self, detail: str, *, peer: str | None = None, epoch: int | None = None):
-        super().__init__(f"afd peer lost: {detail}")
+        control_errors.AfdPeerLost.__init__(self, f"afd peer lost: {detail}", epoch=epoch)
         self.peer = peer
-        self.epoch = epoch
 
 
 class AfdProtocolError(AfdDataError):

@@ -924,9 +924,13 @@ class NixlTransport:
         backoff.reset(now)
         tighten_timer_slack()
         while True:
-            self._progress()
+            # What already arrived is delivered even when the peer was reported lost since
+            # (it finished its last step and exited): take notifications first.
+            self._progress(raise_lost=False)
             if ready():
                 return
+            if self._lost is not None:
+                raise self._lost
             now = time.monotonic()
             if now >= deadline:
                 raise on_timeout()
@@ -935,9 +939,9 @@ class NixlTransport:
                 next_probe = now + interval
             backoff.pause(now)
 
-    def _progress(self) -> None:
+    def _progress(self, raise_lost: bool = True) -> None:
         """One poll: raises a pending loss, takes notifications, reaps completed WRITEs."""
-        if self._lost is not None:
+        if raise_lost and self._lost is not None:
             raise self._lost
         notifs = self._agent.get_new_notifs()
         if notifs:

@@ -6,8 +6,12 @@ that names step, layer, stage and source, and checks every byte it receives: the
 checks the hidden states (and router columns) of every attention peer, and answers with
 ``hidden + (ffn_rank + 1)`` (as 16-bit words), which the attention side checks per FFN peer.
 
-Events go to stdout as one JSON object a line; the last line is the result. Blobs are exchanged
-through files in ``--rdv`` (``exchange_blobs``), to be replaced by the afd-ctl daemon.
+Events go to stdout as one JSON object a line; the last line is the result. The rendezvous and
+the step flow go through a real afd-ctl daemon (``--controller``): the worker registers with its
+transport's blob, connects to the peers the daemon hands back, the designated attention sender
+publishes each step's payload after sizing its own buffers, and FFN workers size theirs from
+the payload they receive. A loss (from NIXL or from the daemon's PEER_LOST) is survived with
+``--survive``: wait for the replacement, reconnect at the new epoch, run again.
 """
 
 from __future__ import annotations
@@ -24,43 +28,16 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from afd_data import AfdPeerLost, NixlTransport, Role, TransportConfig  # noqa: E402
-from afd_data.routing import peer_ranks  # noqa: E402
+from afd_ctl.client import ControllerClient  # noqa: E402
+from afd_ctl.errors import AfdPeerLost  # noqa: E402  (covers the data plane's too)
+from afd_ctl.membership import WorkerSpec  # noqa: E402
+from afd_ctl.v1 import afd_pb2  # noqa: E402
+from afd_data import NixlTransport, Role, TransportConfig  # noqa: E402
+from afd_data.rendezvous import counts_from_payload, join, rejoin  # noqa: E402
 
 
 def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
-
-
-def exchange_blobs(
-    rdv: Path,
-    epoch: int,
-    role: Role,
-    rank: int,
-    blob: bytes,
-    config: TransportConfig,
-    timeout_s: float = 60.0,
-) -> list[tuple[Role, int, int, bytes]]:
-    """Rendezvous stand-in for the control plane: publish this worker's blob as a file, wait
-    for the blobs of every routed peer of the same epoch. Returns (role, rank, dp_rank, blob)."""
-    rdv.mkdir(parents=True, exist_ok=True)
-    mine = rdv / f"e{epoch}-{role.label}-{rank}.blob"
-    tmp = mine.with_suffix(".tmp")
-    tmp.write_bytes(blob)
-    tmp.rename(mine)
-    other = role.other
-    wanted = peer_ranks(role, rank, config.num_attention, config.num_ffn)
-    deadline = time.monotonic() + timeout_s
-    peers = []
-    for r in wanted:
-        path = rdv / f"e{epoch}-{other.label}-{r}.blob"
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no blob from {other.label} rank {r} in epoch {epoch}")
-            time.sleep(0.01)
-        dp = r // config.attention_tp_size if other is Role.ATTENTION else r
-        peers.append((other, r, dp, path.read_bytes()))
-    return peers
 
 
 def step_counts(
@@ -107,8 +84,21 @@ class Mismatch(AssertionError):
     pass
 
 
+def payload_for(step: int, counts: list[list[int]]) -> afd_pb2.AFDControlPayload:
+    payload = afd_pb2.AFDControlPayload(step_id=step)
+    for stage, row in enumerate(counts):
+        payload.stages[stage].num_tokens_across_dp.extend(row)
+        payload.stages[stage].max_tokens_across_dp = max(row)
+    return payload
+
+
 def run_attention(
-    t: NixlTransport, args: argparse.Namespace, cfg: TransportConfig, first_step: int, steps: int
+    t: NixlTransport,
+    client: ControllerClient,
+    args: argparse.Namespace,
+    cfg: TransportConfig,
+    first_step: int,
+    steps: int,
 ) -> int:
     """Returns the number of bytes checked."""
     checked = 0
@@ -119,7 +109,10 @@ def run_attention(
         counts = step_counts(
             args.seed, step, args.stages, cfg.attention_dp_size, cfg.max_tokens_per_peer
         )
-        t.begin_step(step, counts, epoch=args.epoch)
+        # The sender sizes its own buffers from the payload first, then publishes it.
+        t.begin_step(step, counts, epoch=t.epoch)
+        if client.is_sender:
+            client.publish(payload_for(step, counts))
         rows = [max(1, counts[s][dp]) for s in range(args.stages)]
         sent: dict[tuple[int, int], np.ndarray] = {}
         # Run `depth` layers ahead: send layer l, then take the output of layer l - depth + 1.
@@ -173,15 +166,24 @@ def run_attention(
 
 
 def run_ffn(
-    t: NixlTransport, args: argparse.Namespace, cfg: TransportConfig, first_step: int, steps: int
+    t: NixlTransport,
+    client: ControllerClient,
+    args: argparse.Namespace,
+    cfg: TransportConfig,
+    first_step: int,
+    steps: int,
 ) -> int:
     checked = 0
     for i in range(steps):
         step = first_step + i
-        counts = step_counts(
+        payload = client.next_payload(args.timeout)
+        counts = counts_from_payload(payload)
+        want = step_counts(
             args.seed, step, args.stages, cfg.attention_dp_size, cfg.max_tokens_per_peer
         )
-        t.begin_step(step, counts, epoch=args.epoch)
+        if payload.step_id != step or [counts[s] for s in range(args.stages)] != want:
+            raise Mismatch(f"payload step {payload.step_id} {counts}, expected step {step} {want}")
+        t.begin_step(payload.step_id, counts, epoch=payload.epoch)
         for layer in range(args.layers):
             for s in range(args.stages):
                 batch = t.recv_hidden(layer, s, timeout_s=args.timeout)
@@ -233,9 +235,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--role", required=True)
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--rdv", type=Path, required=True)
+    p.add_argument("--controller", required=True, help="afd-ctl address")
     p.add_argument("--config", required=True, help="TransportConfig fields as JSON")
-    p.add_argument("--epoch", type=int, default=1)
+    p.add_argument("--round", type=int, default=1, help="step ids start at round * 1e6")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--stages", type=int, default=1)
@@ -247,43 +249,60 @@ def main() -> int:
         "--survive",
         type=int,
         default=0,
-        help="after a peer loss, reconnect at epoch+1 and run this many steps",
+        help="after a peer loss, wait for the replacement, reconnect and run this many steps",
     )
+    p.add_argument("--hold-s", type=float, default=120.0, help="wait this long for STOP")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     role = Role.parse(args.role)
     cfg = TransportConfig(**json.loads(args.config))
-    name = f"{role.label}-{args.rank}-e{args.epoch}-{os.getpid()}"
+    name = f"{role.label}-{args.rank}-{os.getpid()}"
     t = NixlTransport(name, role, args.rank, cfg)
+    if role is Role.ATTENTION:
+        tp = cfg.attention_tp_size
+        spec = WorkerSpec(
+            f"attention-{args.rank}",
+            "ATTENTION",
+            dp_rank=args.rank // tp,
+            dp_size=cfg.num_attention // tp,
+            tp_rank=args.rank % tp,
+            tp_size=tp,
+        )
+    else:
+        spec = WorkerSpec(f"ffn-{args.rank}", "FFN", dp_rank=args.rank, dp_size=cfg.num_ffn)
+    client = ControllerClient(args.controller, spec, data_plane_blob=t.blob())
     run = run_attention if role is Role.ATTENTION else run_ffn
     checked = 0
     try:
-        t.connect(args.epoch, exchange_blobs(args.rdv, args.epoch, role, args.rank, t.blob(), cfg))
-        emit("connected", epoch=args.epoch)
+        view = join(client, t, timeout_s=60)
+        emit("connected", epoch=view.epoch, round=args.round)
         started = time.monotonic()
-        first = args.epoch * 1_000_000
         try:
-            checked += run(t, args, cfg, first, args.steps)
+            checked += run(t, client, args, cfg, args.round * 1_000_000, args.steps)
         except AfdPeerLost as e:
-            emit("peer_lost", message=str(e), epoch=args.epoch)
+            emit("peer_lost", message=str(e), epoch=view.epoch)
             if not args.survive:
                 return 3
-            args.epoch += 1
-            peers = exchange_blobs(args.rdv, args.epoch, role, args.rank, t.blob(), cfg)
-            t.reconnect(args.epoch, peers)
-            emit("connected", epoch=args.epoch)
-            checked += run(t, args, cfg, args.epoch * 1_000_000, args.survive)
+            args.round += 1
+            view = rejoin(client, t, timeout_s=60)
+            emit("connected", epoch=view.epoch, round=args.round)
+            checked += run(t, client, args, cfg, args.round * 1_000_000, args.survive)
         emit(
             "done",
             ok=True,
             checked_bytes=checked,
             elapsed_s=time.monotonic() - started,
-            epoch=args.epoch,
+            epoch=view.epoch,
+            round=args.round,
         )
+        # Stay registered until the job is stopped: leaving would be a membership change
+        # (a new epoch) for the workers still finishing their steps.
+        client.wait_stopped(args.hold_s)
         return 0
     finally:
         t.close()
+        client.close()
 
 
 if __name__ == "__main__":

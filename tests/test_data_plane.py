@@ -47,7 +47,13 @@ REPO = WORKER.parent.parent
 
 
 def start_worker(
-    procs: list[Proc], tmp: Path, role: str, rank: int, config: dict[str, Any], *args: str
+    procs: list[Proc],
+    tmp: Path,
+    controller: str,
+    role: str,
+    rank: int,
+    config: dict[str, Any],
+    *args: str,
 ) -> Proc:
     """A data_plane_worker.py process; its JSON events land in its log."""
     log = tmp / f"{role}-{rank}-{len(procs)}.log"
@@ -58,8 +64,8 @@ def start_worker(
         role,
         "--rank",
         str(rank),
-        "--rdv",
-        str(tmp / "rdv"),
+        "--controller",
+        controller,
         "--config",
         json.dumps(config),
         *args,
@@ -74,16 +80,32 @@ def wait_event(proc: Proc, name: str, timeout_s: float) -> dict[str, Any]:
 
 
 def finish(proc: Proc, timeout_s: float) -> dict[str, Any]:
-    """Waits for a clean exit; returns the final 'done' event."""
-    rc = proc.wait(timeout_s)
-    assert rc == 0, f"{proc.argv[2:6]} exited {rc}:\n{proc.tail()}"
-    return wait_event(proc, "done", 1)
+    """Waits for the 'done' event (the worker then stays registered until STOP)."""
+    if proc.popen.poll() not in (None, 0):
+        raise AssertionError(f"{proc.argv[2:6]} exited {proc.popen.returncode}:\n{proc.tail()}")
+    return wait_event(proc, "done", timeout_s)
+
+
+def stop_all(daemon: Any, workers: list[Proc]) -> None:
+    """SIGTERM drains the daemon: every worker gets STOP and exits 0."""
+    daemon.signal(signal.SIGTERM)
+    for w in workers:
+        rc = w.wait(30)
+        assert rc == 0, f"{w.argv[2:6]} exited {rc}:\n{w.tail()}"
+    assert daemon.wait(30) == 0
 
 
 @pytest.fixture
-def spawn(procs: list[Proc], tmp_path: Path):
+def spawn(procs: list[Proc], tmp_path: Path, start_daemon):
+    """Starts workers against one afd-ctl daemon, started with the first worker's M:N."""
+    daemon: list[Any] = []
+
     def start(role: str, rank: int, config: dict[str, Any], *args: str) -> Proc:
-        return start_worker(procs, tmp_path, role, rank, config, *args)
+        if not daemon:
+            m, n = config.get("num_attention", 1), config.get("num_ffn", 1)
+            daemon.append(start_daemon("--expect-attention", str(m), "--expect-ffn", str(n)))
+            start.daemon = daemon[0]  # type: ignore[attr-defined]
+        return start_worker(procs, tmp_path, daemon[0].address, role, rank, config, *args)
 
     return start
 
@@ -148,6 +170,7 @@ def test_bytes_arrive_intact(spawn, m: int, n: int, stages: int, extra: dict[str
         str(seed),
     )
     done = [finish(w, 90) for w in workers]
+    stop_all(spawn.daemon, workers)
     # Every row an attention rank sent was checked by each FFN peer, and every output row it
     # got back was checked by it: both totals equal what the step plans say, all steps run.
     cfg = TransportConfig(**config)
@@ -191,9 +214,10 @@ def test_ffn_killed_mid_step_then_replaced(spawn) -> None:
     print(f"detected in {detect_s:.3f} s: {lost['message']}")
     assert detect_s < 3.0, f"took {detect_s:.2f} s to notice the dead FFN worker"
 
-    replacement = spawn("ffn", 0, config, "--epoch", "2", "--steps", "60")
-    assert finish(replacement, 60)["epoch"] == 2
-    assert finish(attn, 60)["epoch"] == 2
+    replacement = spawn("ffn", 0, config, "--round", "2", "--steps", "60")
+    new, old = finish(replacement, 60), finish(attn, 60)
+    assert new["round"] == old["round"] == 2
+    assert new["epoch"] == old["epoch"] > wait_event(attn, "connected", 1)["epoch"]
 
 
 def test_attention_killed_ffn_errors_all_reconnect(spawn) -> None:
@@ -222,9 +246,9 @@ def test_attention_killed_ffn_errors_all_reconnect(spawn) -> None:
     lost0 = wait_event(attn0, "peer_lost", 10)
     assert "no outputs" in lost0["message"] and "within 1.5 s" in lost0["message"]
 
-    replacement = spawn("attention", 1, config, "--epoch", "2", "--steps", "40")
-    for w in (replacement, attn0, ffn):
-        assert finish(w, 60)["epoch"] == 2
+    replacement = spawn("attention", 1, config, "--round", "2", "--steps", "40")
+    done = [finish(w, 60) for w in (replacement, attn0, ffn)]
+    assert {d["round"] for d in done} == {2} and len({d["epoch"] for d in done}) == 1
 
 
 # ---------------------------------------------------------------------------- refusals

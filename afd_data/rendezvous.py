@@ -1,0 +1,66 @@
+"""Rendezvous through afd-ctl: the only way a transport learns its peers.
+
+A worker registers with its transport's blob, waits for the expected set, and connects to the
+peers the daemon hands back; after every membership change it does so again. A PEER_LOST event
+from the daemon interrupts the transport's waits at once, so a dead peer is an error within
+the daemon's liveness bound even when NIXL itself has not noticed yet.
+
+    transport = NixlTransport(name, role, rank, config)
+    client = ControllerClient(controller, spec, data_plane_blob=transport.blob())
+    view = join(client, transport, timeout_s=120)
+    ...
+    except AfdPeerLost:
+        view = rejoin(client, transport, timeout_s=120)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from afd_ctl.client import ControllerClient
+from afd_ctl.v1 import afd_pb2
+from afd_data.routing import Role
+
+if TYPE_CHECKING:
+    from afd_data.nixl_transport import NixlTransport, PeerSpec
+
+log = logging.getLogger(__name__)
+
+
+def peers_from_view(view: afd_pb2.View) -> list[PeerSpec]:
+    """The transport's peer list from the daemon's view (afd.v1.Peer -> PeerSpec)."""
+    from afd_data.nixl_transport import PeerSpec
+
+    return [
+        PeerSpec(Role(p.worker.role), p.worker.role_rank, p.worker.dp_rank, p.data_plane_blob)
+        for p in view.peers
+    ]
+
+
+def counts_from_payload(payload: afd_pb2.AFDControlPayload) -> dict[int, list[int]]:
+    """The payload's per-stage token counts, as `NixlTransport.begin_step` takes them."""
+    return {s: list(meta.num_tokens_across_dp) for s, meta in payload.stages.items()}
+
+
+def join(client: ControllerClient, transport: NixlTransport, timeout_s: float) -> afd_pb2.View:
+    """Registers (if not yet), waits for the expected set and connects the transport."""
+    client.connect(timeout_s)
+    client.add_listener(lambda event: _on_event(transport, event))
+    view = client.wait_complete(timeout_s)
+    transport.connect(view.epoch, peers_from_view(view))
+    log.info("data plane connected to %d peer(s) at epoch %d", len(view.peers), view.epoch)
+    return view
+
+
+def rejoin(client: ControllerClient, transport: NixlTransport, timeout_s: float) -> afd_pb2.View:
+    """After a peer was lost: waits for the set to be complete again and reconnects."""
+    view = client.wait_complete(timeout_s)
+    transport.reconnect(view.epoch, peers_from_view(view))
+    log.info("data plane reconnected to %d peer(s) at epoch %d", len(view.peers), view.epoch)
+    return view
+
+
+def _on_event(transport: NixlTransport, event: afd_pb2.MembershipEvent) -> None:
+    if event.kind == afd_pb2.MembershipEvent.PEER_LOST:
+        transport.mark_peer_lost(event.worker.role, event.worker.role_rank, event.reason)
