@@ -54,13 +54,7 @@ def pattern(
     step: int, layer: int, stage: int, src: int, rows: int, cols: int, dtype: str, salt: int = 0
 ) -> np.ndarray:
     """Rows that name where they come from, in the transport's numpy dtype."""
-    np_dtype = {
-        "bfloat16": np.uint16,
-        "float16": np.float16,
-        "float32": np.float32,
-        "int32": np.int32,
-        "int64": np.int64,
-    }[dtype]
+    np_dtype = NP_DTYPES[dtype]
     words = rows * cols * np.dtype(np_dtype).itemsize // 2
     base = (step * 1_000_003 + layer * 10_007 + stage * 101 + src * 7 + salt * 13) & 0xFFFF
     raw = ((np.arange(words, dtype=np.uint32) * 31 + base) & 0xFFFF).astype(np.uint16)
@@ -74,6 +68,40 @@ def answer(hidden: np.ndarray, ffn_rank: int) -> np.ndarray:
     """The FFN's 'computation': every 16-bit word plus (ffn_rank + 1)."""
     words = hidden.view(np.uint16)
     return (words + np.uint16(ffn_rank + 1)).view(hidden.dtype)
+
+
+NP_DTYPES = {
+    "bfloat16": np.uint16,
+    "float16": np.float16,
+    "float32": np.float32,
+    "int32": np.int32,
+    "int64": np.int64,
+}
+DEVICE = "cpu"
+
+
+def dev(a: np.ndarray | None) -> Any:
+    """The array on this worker's device: itself on CPU, a torch tensor with the same bytes on
+    a GPU (VRAM to VRAM through the transport)."""
+    if a is None or DEVICE == "cpu":
+        return a
+    import torch
+
+    raw = torch.from_numpy(np.ascontiguousarray(a).view(np.uint8).reshape(-1)).to(DEVICE)
+    kind = {np.dtype(np.uint16): torch.bfloat16, np.dtype(np.float16): torch.float16,
+            np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32,
+            np.dtype(np.int64): torch.int64}[a.dtype]  # fmt: skip
+    return raw.view(kind).reshape(a.shape)
+
+
+def host(x: Any, dtype: str) -> np.ndarray:
+    """A received view as a numpy array with the pattern's dtype (bytes unchanged)."""
+    if isinstance(x, np.ndarray):
+        return x
+    import torch
+
+    raw = x.detach().contiguous().view(torch.uint8).cpu().numpy()
+    return raw.view(NP_DTYPES[dtype]).reshape(tuple(x.shape))
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -140,12 +168,12 @@ def run_attention(
                         )
                     if (layer + s + step) % 2:  # zero-copy path half of the time
                         hb, rb = t.hidden_buffer(layer, s)
-                        hb[...] = h
+                        hb[...] = dev(h)
                         if rb is not None:
-                            rb[...] = r
+                            rb[...] = dev(r)
                         t.send_hidden(layer, s, hb, rb)
                     else:
-                        t.send_hidden(layer, s, h, r)
+                        t.send_hidden(layer, s, dev(h), dev(r))
                     sent[layer, s] = h
                     if args.hang_at_step is not None and step >= args.hang_at_step and layer == 1:
                         emit("hang", step=step, layer=layer)
@@ -155,6 +183,7 @@ def run_attention(
                 if len(outs) != len(t.peer_ranks):
                     raise Mismatch(f"{len(outs)} outputs for {len(t.peer_ranks)} FFN peers")
                 for f, out in zip(t.peer_ranks, outs, strict=True):
+                    out = host(out, cfg.dtype)
                     if not same(out, answer(sent[layer, s], f)):
                         raise Mismatch(f"step {step} layer {layer} stage {s} output of ffn {f}")
                     checked += out.nbytes
@@ -190,8 +219,10 @@ def run_ffn(
                 if args.hang_at_step is not None and step >= args.hang_at_step and layer == 1:
                     emit("hang", step=step, layer=layer)
                     time.sleep(3600)  # stuck mid-step until the test kills this process
+                hidden = host(batch.hidden, cfg.dtype)
+                routers = host(batch.router, cfg.router_dtype) if cfg.router_width else None
                 for piece in batch.slices:
-                    got = batch.hidden[piece.start : piece.start + piece.rows]
+                    got = hidden[piece.start : piece.start + piece.rows]
                     want = pattern(
                         step, layer, s, piece.role_rank, piece.rows, cfg.hidden_size, cfg.dtype
                     )
@@ -201,8 +232,8 @@ def run_ffn(
                             f"{piece.role_rank} (rows {piece.rows})"
                         )
                     if cfg.router_width:
-                        assert batch.router is not None
-                        got_r = batch.router[piece.start : piece.start + piece.rows]
+                        assert routers is not None
+                        got_r = routers[piece.start : piece.start + piece.rows]
                         want_r = pattern(
                             step,
                             layer,
@@ -219,7 +250,7 @@ def run_ffn(
                                 f"attention {piece.role_rank}"
                             )
                     checked += got.nbytes
-                out = answer(batch.hidden, t.role_rank)
+                out = dev(answer(hidden, t.role_rank))
                 if (layer + s + step) % 2:
                     buf = t.output_buffer(layer, s)
                     buf[...] = out
@@ -251,6 +282,7 @@ def main() -> int:
         default=0,
         help="after a peer loss, wait for the replacement, reconnect and run this many steps",
     )
+    p.add_argument("--device", default="cpu", help="cpu (host DRAM) or cuda:N (VRAM)")
     p.add_argument("--hold-s", type=float, default=120.0, help="wait this long for STOP")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -258,7 +290,9 @@ def main() -> int:
     role = Role.parse(args.role)
     cfg = TransportConfig(**json.loads(args.config))
     name = f"{role.label}-{args.rank}-{os.getpid()}"
-    t = NixlTransport(name, role, args.rank, cfg)
+    global DEVICE
+    DEVICE = args.device
+    t = NixlTransport(name, role, args.rank, cfg, device=args.device)
     if role is Role.ATTENTION:
         tp = cfg.attention_tp_size
         spec = WorkerSpec(

@@ -40,6 +40,9 @@ from tests.data_plane_worker import step_counts
 from tests.procs import Proc
 
 WORKER = Path(__file__).with_name("data_plane_worker.py")
+# cpu: host DRAM (CI). On a GPU machine AFD_TEST_DEVICE=cuda:0 runs the same multi-process
+# tests VRAM to VRAM (both processes on one GPU).
+DEVICE = os.environ.get("AFD_TEST_DEVICE", "cpu")
 REPO = WORKER.parent.parent
 
 
@@ -68,6 +71,8 @@ def start_worker(
         controller,
         "--config",
         json.dumps(config),
+        "--device",
+        DEVICE,
         *args,
     ]
     proc = Proc(argv, log)
