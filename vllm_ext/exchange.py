@@ -1,0 +1,163 @@
+"""The data plane as the vLLM extension uses it: thin adapters onto `afd_data.NixlTransport`.
+
+Attention side, per step: `begin_step(shape)` (before the payload is published), then per layer
+`exchange(layer, stage, hidden)`: write this rank's rows to every routed FFN rank, wait for
+their outputs and return their sum (one FFN peer: its output); `end_step()` after the forward.
+FFN side, per step: `begin_step(payload)`, per layer and stage `recv(layer, stage)` (every
+attention peer's rows, concatenated in role-rank order) and `send(layer, stage, out)` (each
+peer its slice), then `end_step()` before it idles.
+
+The transports are sized from M and N (attention and FFN ranks) before registering, because
+the rendezvous blob describes the buffers: `expected_counts` asks the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Token counts of one step: stage -> count per attention DP rank."""
+
+    step_id: int
+    stages: dict[int, list[int]] = field(default_factory=dict)
+    epoch: int | None = None
+
+    def per_stage(self) -> list[list[int]]:
+        return [self.stages[s] for s in sorted(self.stages)]
+
+
+def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
+    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer."""
+    import grpc
+
+    from afd_ctl.channel import open_channel
+    from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    channel = open_channel(controller)
+    try:
+        stub = afd_pb2_grpc.AFDInspectStub(channel)
+        while True:
+            try:
+                status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=5)
+                break
+            except grpc.RpcError as exc:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"afd-ctl at {controller} did not answer within {timeout_s:.0f} s "
+                        f"({exc.code().name}); is `afd-ctl serve` running there?"
+                    ) from None
+                time.sleep(0.5)
+    finally:
+        channel.close()
+    counts = {r.role: r.expected for r in status.roles}
+    return counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
+
+
+def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: int,
+               hidden_size: int, dtype: torch.dtype, max_tokens: int, timeout_s: float) -> Any:  # fmt: skip
+    from afd_data import NixlTransport, TransportConfig
+
+    # AFD_DATA_<FIELD> environment variables tune the rest (polling, bounds, progress thread).
+    config = TransportConfig.from_env(
+        hidden_size=hidden_size,
+        max_tokens_per_peer=max_tokens,
+        dtype=str(dtype),
+        num_attention=num_attention,
+        num_ffn=num_ffn,
+        recv_timeout_s=timeout_s,
+    )
+    return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config)
+
+
+def _peers(view: Any, role: int) -> list[tuple[str, int, int, bytes]]:
+    from afd_ctl.v1 import afd_pb2
+
+    label = "ffn" if role == afd_pb2.FFN else "attention"
+    return [
+        (label, p.worker.role_rank, p.worker.dp_rank, bytes(p.data_plane_blob))
+        for p in view.peers
+        if p.worker.role == role
+    ]
+
+
+def _tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Zero-copy torch view of a transport buffer (numpy on CPU, torch on CUDA)."""
+    if isinstance(array, torch.Tensor):
+        return array
+    t = torch.from_numpy(array)
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+class AttentionExchange:
+    def __init__(self, *, name: str, rank: int, dtype: torch.dtype, **sizes: Any) -> None:
+        self.dtype = dtype
+        self.transport = _transport(name, "attention", rank, dtype=dtype, **sizes)
+
+    def blob(self) -> bytes:
+        return self.transport.blob()
+
+    def connect(self, view: Any) -> None:
+        from afd_ctl.v1 import afd_pb2
+
+        self.transport.reconnect(view.epoch, _peers(view, afd_pb2.FFN))
+
+    def begin_step(self, shape: StepShape) -> None:
+        self.transport.begin_step(shape.step_id, shape.per_stage())
+
+    def exchange(self, layer: int, stage: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        staged, _ = self.transport.hidden_buffer(layer, stage)
+        _tensor(staged, self.dtype)[:n].copy_(hidden_states.reshape(n, -1))
+        self.transport.send_hidden(layer, stage, staged)
+        outputs = self.transport.recv_outputs(layer, stage)
+        out = _tensor(outputs[0], self.dtype)[:n].clone()
+        for extra in outputs[1:]:  # expert-parallel FFN ranks: partial sums
+            out.add_(_tensor(extra, self.dtype)[:n])
+        return out.view_as(hidden_states)
+
+    def end_step(self) -> None:
+        self.transport.end_step()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class FfnExchange:
+    def __init__(self, *, name: str, rank: int, dtype: torch.dtype, **sizes: Any) -> None:
+        self.dtype = dtype
+        self.transport = _transport(name, "ffn", rank, dtype=dtype, **sizes)
+
+    def blob(self) -> bytes:
+        return self.transport.blob()
+
+    def connect(self, view: Any) -> None:
+        from afd_ctl.v1 import afd_pb2
+
+        self.transport.reconnect(view.epoch, _peers(view, afd_pb2.ATTENTION))
+
+    def begin_step(self, shape: StepShape) -> None:
+        self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
+
+    def recv(self, layer: int, stage: int) -> torch.Tensor:
+        return _tensor(self.transport.recv_hidden(layer, stage).hidden, self.dtype)
+
+    def send(self, layer: int, stage: int, output: torch.Tensor) -> None:
+        staged = self.transport.output_buffer(layer, stage)
+        _tensor(staged, self.dtype).copy_(output)
+        self.transport.send_output(layer, stage, staged)
+
+    def end_step(self) -> None:
+        self.transport.end_step()
+
+    def close(self) -> None:
+        self.transport.close()

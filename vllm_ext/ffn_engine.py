@@ -1,0 +1,94 @@
+"""The FFN role's compute: vLLM's own MLP/MoE modules for every layer, outside any scheduler.
+
+It sets up what those modules expect (a one-rank distributed world, the current vLLM config,
+a forward context per call) and nothing else: no KV cache, no attention weights, no sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+from typing import Any
+
+import torch
+
+from vllm_ext.model_split import FfnStack, finalize_ffn_stack, load_ffn_stack
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FfnEngine:
+    """Runs `layer`'s FFN over [tokens, hidden] inputs with the kernels a colocated run uses."""
+
+    def __init__(
+        self, vllm_config: Any, *, init_distributed: bool = True, finalize: bool = True
+    ) -> None:
+        """Loads the weights; with finalize=False call `finalize(shard, shards)` before use
+        (an FFN rank learns its expert shard only when it registers)."""
+        from vllm.config import set_current_vllm_config
+
+        self.vllm_config = vllm_config
+        with set_current_vllm_config(vllm_config):
+            if init_distributed:
+                _init_one_rank_world(vllm_config)
+            self.stack: FfnStack = load_ffn_stack(vllm_config)
+        self.ready = False
+        if finalize:
+            self.finalize(0, 1)
+        config = vllm_config.model_config.hf_config
+        self.num_layers: int = config.num_hidden_layers
+        self.hidden_size: int = config.hidden_size
+        self.dtype: torch.dtype = vllm_config.model_config.dtype
+
+    def finalize(self, shard: int, shards: int) -> None:
+        from vllm.config import set_current_vllm_config
+
+        if self.ready:
+            if (shard, shards) != self.shard:
+                raise RuntimeError(
+                    f"afd ffn: expert shard changed from {self.shard} to {(shard, shards)}; "
+                    "restart this FFN server"
+                )
+            return
+        with set_current_vllm_config(self.vllm_config):
+            finalize_ffn_stack(self.stack, self.vllm_config, shard, shards)
+        self.shard = (shard, shards)
+        self.ready = True
+
+    @torch.inference_mode()
+    def forward_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(None, self.vllm_config, num_tokens=hidden_states.shape[0]):
+            return self.stack.forward_layer(layer_idx, hidden_states)
+
+
+def _init_one_rank_world(vllm_config: Any) -> None:
+    """vLLM's parallel groups for a world of one (gloo on CPU), as a worker would set them up."""
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    if model_parallel_is_initialized():
+        return
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if current_platform.device_type == "cpu":
+        path = tempfile.mktemp(prefix="afd-ffn-dist-")
+        method = f"file://{path}"
+    else:
+        method = f"tcp://127.0.0.1:{_free_port()}"
+    init_worker_distributed_environment(
+        vllm_config,
+        rank=0,
+        distributed_init_method=method,
+        local_rank=0,
+        backend=current_platform.dist_backend,
+    )

@@ -1,0 +1,243 @@
+"""The FFN role: `vllm serve MODEL --afd-role ffn --afd-controller HOST:PORT`.
+
+No scheduler, no KV cache, no HTTP: it loads only the FFN half (vllm_ext.model_split), registers
+with afd-ctl and runs one step per AFDControlPayload: for every layer and stage it receives each
+attention peer's rows, runs the layer's MLP/MoE over their concatenation and writes each peer
+its slice back. It exits 0 on `stop`; any error is logged at once and ends the session, so the
+daemon marks the worker lost and the attention side fails fast instead of hanging.
+
+Also runnable as `python -m vllm_ext.ffn_server MODEL --afd-controller ... [vLLM flags]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from vllm_ext.config import AfdConfig, from_vllm_config
+from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
+
+log = logging.getLogger("vllm_ext.ffn_server")
+
+POLL_S = 0.5
+
+
+class FfnWorker:
+    """One FFN rank. `run()` returns the process exit code."""
+
+    def __init__(self, vllm_config: Any, afd: AfdConfig) -> None:
+        from vllm_ext.ffn_engine import FfnEngine
+
+        self.vllm_config = vllm_config
+        self.afd = afd
+        self.worker_id = afd.worker_id or f"ffn-{afd.ffn_rank}-{os.getpid()}"
+        self.engine = FfnEngine(vllm_config, finalize=False)
+        self.steps = 0
+        # Seconds spent waiting for attention rows, computing, and writing back.
+        self.recv_s = self.compute_s = self.send_s = 0.0
+        self._stop = threading.Event()
+        self._client: Any = None
+        self._exchange: FfnExchange | None = None
+        self._peers: list[int] = []  # attention role ranks served, in order of concatenation
+        self._profiler: Any = None
+
+    def request_stop(self, reason: str) -> None:
+        log.info("afd ffn %s: stop requested (%s)", self.worker_id, reason)
+        self._stop.set()
+
+    def run(self) -> int:
+        from afd_ctl.client import ControllerClient, WorkerSpec
+        from afd_ctl.errors import (
+            AfdControllerUnreachable,
+            AfdNotReady,
+            AfdPeerLost,
+            AfdStopped,
+            AfdTimeout,
+        )
+
+        afd = self.afd
+        hf = self.vllm_config.model_config.hf_config
+        num_attention, num_ffn = expected_counts(afd.controller, afd.connect_timeout_s)
+        if afd.ffn_rank >= num_ffn:
+            raise ValueError(
+                f"afd ffn_rank {afd.ffn_rank} but afd-ctl expects {num_ffn} FFN ranks "
+                "(--expect-ffn); give each FFN server a distinct ffn_rank below that"
+            )
+        shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn)
+        self.engine.finalize(shard, shards)
+        self._exchange = FfnExchange(
+            name=self.worker_id,
+            rank=afd.ffn_rank,
+            dtype=self.vllm_config.model_config.dtype,
+            num_attention=num_attention,
+            num_ffn=num_ffn,
+            hidden_size=hf.hidden_size,
+            max_tokens=afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens,
+            timeout_s=afd.step_timeout_s,
+        )
+        spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
+        self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
+        if afd.profile_dir:
+            from vllm_ext.attention_session import _StepProfiler
+
+            self._profiler = _StepProfiler(afd, "ffn")
+        try:
+            registered = self._client.connect(timeout_s=afd.connect_timeout_s)
+            log.info(
+                "afd ffn %s: registered as ffn rank %d (expert shard %d of %d); "
+                "waiting for the expected set",
+                self.worker_id,
+                registered.worker.role_rank,
+                shard,
+                shards,
+            )
+            self._connect(self._client.wait_complete(timeout_s=afd.connect_timeout_s))
+            while not self._stop.is_set():
+                try:
+                    payload = self._client.next_payload(timeout_s=POLL_S)
+                except AfdTimeout:
+                    continue
+                except AfdStopped as exc:
+                    log.info(
+                        "afd ffn %s: %s; exiting after %d steps", self.worker_id, exc, self.steps
+                    )
+                    return 0
+                except (AfdPeerLost, AfdNotReady) as exc:
+                    log.warning("afd ffn %s: %s", self.worker_id, exc)
+                    try:
+                        self._connect(self._client.wait_complete(timeout_s=afd.connect_timeout_s))
+                    except AfdStopped as stopped:
+                        log.info("afd ffn %s: %s; exiting", self.worker_id, stopped)
+                        return 0
+                    continue
+                except AfdControllerUnreachable as exc:
+                    log.warning("afd ffn %s: %s", self.worker_id, exc)
+                    time.sleep(POLL_S)
+                    continue
+                self.run_step(payload)
+            return 0
+        except Exception:
+            log.exception(
+                "afd ffn %s: failed at step %d; leaving afd-ctl", self.worker_id, self.steps
+            )
+            return 1
+        finally:
+            self.close()
+
+    def stats(self) -> dict[str, float]:
+        n = max(1, self.steps)
+        return {
+            "steps": self.steps,
+            "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
+            "compute_ms_per_step": 1e3 * self.compute_s / n,
+            "send_ms_per_step": 1e3 * self.send_s / n,
+        }
+
+    def close(self) -> None:
+        log.info("afd ffn %s: stats %s", self.worker_id, json.dumps(self.stats()))
+        client, self._client = self._client, None
+        exchange, self._exchange = self._exchange, None
+        if client is not None:
+            client.close()
+        if exchange is not None:
+            try:
+                exchange.close()
+            except Exception as exc:  # shutting down: report, never raise
+                log.warning("afd ffn %s: data plane close: %s", self.worker_id, exc)
+
+    def _connect(self, view: Any) -> None:
+        me = self._client.role_rank
+        self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
+        assert self._exchange is not None
+        self._exchange.connect(view)
+        log.info(
+            "afd ffn %s: serving attention ranks %s at epoch %d",
+            self.worker_id,
+            self._peers,
+            view.epoch,
+        )
+
+    @torch.inference_mode()
+    def run_step(self, payload: Any) -> None:
+        """All layers of one step: per layer and stage, the peers' rows in, their slices out."""
+        assert self._exchange is not None
+        stages = {k: list(v.num_tokens_across_dp) for k, v in payload.stages.items()}
+        shape = StepShape(step_id=payload.step_id, stages=stages, epoch=payload.epoch)
+        exchange = self._exchange
+        exchange.begin_step(shape)
+        for layer in range(self.engine.num_layers):
+            for stage in sorted(stages):
+                t0 = time.perf_counter()
+                x = exchange.recv(layer, stage)
+                t1 = time.perf_counter()
+                out = self.engine.forward_layer(layer, x)
+                t2 = time.perf_counter()
+                exchange.send(layer, stage, out)
+                self.recv_s += t1 - t0
+                self.compute_s += t2 - t1
+                self.send_s += time.perf_counter() - t2
+        exchange.end_step()
+        self.steps += 1
+        if self._profiler is not None:
+            self._profiler.step(payload.step_id)
+        if self.steps == 1 or self.steps % 1000 == 0:
+            log.info(
+                "afd ffn %s: %d steps served (last %d)", self.worker_id, self.steps, payload.step_id
+            )
+
+
+def expert_shard(ffn_rank: int, num_attention: int, num_ffn: int) -> tuple[int, int]:
+    """(shard, shards) of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
+    a % k == f % k with k = min(M, N); the FFN ranks of one group split the experts."""
+    k = min(num_attention, num_ffn)
+    group = [f for f in range(num_ffn) if f % k == ffn_rank % k]
+    return group.index(ffn_rank), len(group)
+
+
+def serve_ffn(args: argparse.Namespace) -> None:
+    """`vllm serve --afd-role ffn`: build the config the way `vllm serve` would, then run."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config()
+    afd = from_vllm_config(vllm_config)
+    if afd is None or afd.role != "ffn":
+        raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")
+    sys.exit(run_worker(vllm_config, afd))
+
+
+def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
+    worker = FfnWorker(vllm_config, afd)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
+    return worker.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_ext
+
+    vllm_ext.register()
+    parser = FlexibleArgumentParser(description="AFD FFN worker (same flags as vllm serve)")
+    parser.add_argument("model")
+    parser = AsyncEngineArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    if args.afd_role is None:
+        args.afd_role = "ffn"
+    serve_ffn(args)
+
+
+if __name__ == "__main__":
+    main()

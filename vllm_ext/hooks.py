@@ -1,0 +1,219 @@
+"""The few places where vLLM is wrapped, each once and each transparent without AFD settings.
+
+- `EngineArgs.add_cli_args`: adds --afd-controller, --afd-role, --afd-worker-id.
+- `EngineArgs.from_cli_args`: it copies only dataclass fields, so the flags are folded into
+  `additional_config["afd"]` here (which vLLM hashes and ships to every process).
+- `EngineArgs.create_engine_config`: picks the AFD attention worker class (only when
+  --worker-cls is "auto") and checks the model and parallel settings.
+- `ServeSubcommand.cmd`: `vllm serve --afd-role ffn` runs the FFN worker instead of the API
+  server (an FFN worker has no scheduler, no KV cache and no HTTP endpoint).
+- `EngineCore.shutdown`: first asks the attention workers to publish `stop` (over vLLM's own
+  collective_rpc), while they are still alive: `vllm serve` kills worker processes soon after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from vllm_ext.config import AfdConfig, afd_section
+
+log = logging.getLogger(__name__)
+
+ATTENTION_WORKER_CLS = "vllm_ext.attention_worker.AfdAttentionWorker"
+SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_MARK = "_afd_wrapped"
+
+
+def install() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.add_cli_args, _MARK, False):
+        return
+    _wrap_add_cli_args(EngineArgs)
+    _wrap_from_cli_args(EngineArgs)
+    _wrap_create_engine_config(EngineArgs)
+    serve = sys.modules.get("vllm.entrypoints.cli.serve")
+    if serve is not None:  # only the `vllm` CLI process has it (imported before plugins load)
+        _wrap_serve_cmd(serve.ServeSubcommand)
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None:  # engine-core processes load plugins from EngineCore.__init__
+        _wrap_engine_core_shutdown(core.EngineCore)
+
+
+def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
+    if any("--afd-role" in a.option_strings for a in parser._actions):
+        return
+    group = parser.add_argument_group(
+        "AFD",
+        "Attention-FFN disaggregation (vllm_ext); same as --additional-config '{\"afd\": {...}}'",
+    )
+    group.add_argument(
+        "--afd-controller",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of the `afd-ctl serve` daemon; turns AFD on",
+    )
+    group.add_argument(
+        "--afd-role",
+        default=None,
+        choices=("attention", "ffn"),
+        help="attention: a normal server whose MLP/MoE runs remotely; ffn: runs them",
+    )
+    group.add_argument(
+        "--afd-worker-id",
+        default=None,
+        help="stable identity for afd-ctl (default derived from role and rank)",
+    )
+
+
+def merge_afd_flags(additional_config: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    """additional_config with the --afd-* flags folded into its "afd" section; a flag that
+    contradicts the section is an error that names both."""
+    flags = {
+        "controller": getattr(args, "afd_controller", None),
+        "role": getattr(args, "afd_role", None),
+        "worker_id": getattr(args, "afd_worker_id", None),
+    }
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if not flags:
+        return additional_config
+    merged = dict(additional_config or {})
+    section = dict(afd_section(merged) or {})
+    for key, value in flags.items():
+        if key in section and section[key] != value:
+            raise ValueError(
+                f"--afd-{key.replace('_', '-')} {value!r} contradicts "
+                f"--additional-config afd.{key}={section[key]!r}"
+            )
+        section[key] = value
+    merged["afd"] = section
+    return merged
+
+
+def _wrap_add_cli_args(engine_args_cls: type) -> None:
+    original = engine_args_cls.add_cli_args
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        add_afd_arguments(parser)
+        return parser
+
+    setattr(add_cli_args, _MARK, True)
+    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+
+
+def _wrap_from_cli_args(engine_args_cls: type) -> None:
+    original = engine_args_cls.from_cli_args.__func__
+
+    def from_cli_args(cls, args: argparse.Namespace):
+        engine_args = original(cls, args)
+        engine_args.additional_config = merge_afd_flags(engine_args.additional_config, args)
+        return engine_args
+
+    engine_args_cls.from_cli_args = classmethod(from_cli_args)
+
+
+ATTENTION_SHUTDOWN_TIMEOUT_S = 5
+
+
+def _wrap_create_engine_config(engine_args_cls: type) -> None:
+    original = engine_args_cls.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        afd = AfdConfig.resolve(afd_section(self.additional_config))
+        if afd is None:
+            return original(self, *args, **kwargs)
+        from vllm_ext import check_vllm_version
+
+        check_vllm_version()
+        if afd.role == "attention" and self.worker_cls == "auto":
+            self.worker_cls = ATTENTION_WORKER_CLS
+        if afd.role == "attention" and not self.shutdown_timeout:
+            # With vLLM's default (0: abort) the API server kills the engine core at once on
+            # SIGTERM, before its workers can publish `stop`; a short drain lets them, so the
+            # FFN servers exit cleanly instead of waiting for a replacement.
+            self.shutdown_timeout = ATTENTION_SHUTDOWN_TIMEOUT_S
+            log.info(
+                "afd attention: --shutdown-timeout %d so that stop reaches the FFN servers",
+                ATTENTION_SHUTDOWN_TIMEOUT_S,
+            )
+        config = original(self, *args, **kwargs)
+        validate(config, afd)
+        return config
+
+    engine_args_cls.create_engine_config = create_engine_config
+
+
+def validate(vllm_config: Any, afd: AfdConfig) -> None:
+    """Refuses settings the AFD split does not handle, naming the setting."""
+    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(
+            f"AFD supports {', '.join(SUPPORTED_ARCHITECTURES)}; model "
+            f"{vllm_config.model_config.model} is {archs}"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("AFD does not support --pipeline-parallel-size > 1")
+    if afd.role == "ffn" and parallel.data_parallel_size != 1:
+        raise ValueError("an AFD FFN server runs one rank: start one server per FFN rank")
+    if afd.role == "attention" and parallel.worker_cls != ATTENTION_WORKER_CLS:
+        log.warning(
+            "AFD attention role with --worker-cls %s: that class must subclass %s",
+            parallel.worker_cls,
+            ATTENTION_WORKER_CLS,
+        )
+
+
+_original_serve_cmd: Any = None
+
+
+def serve_cmd(args: argparse.Namespace) -> None:
+    """`vllm serve`: the FFN role runs vllm_ext.ffn_server; anything else is vLLM's own.
+    Module-level (not a closure) because `vllm serve` pickles its args, this included."""
+    merged = merge_afd_flags(getattr(args, "additional_config", None), args)
+    afd = AfdConfig.resolve(afd_section(merged))
+    if afd is None or afd.role != "ffn":
+        return _original_serve_cmd(args)
+    from vllm_ext.ffn_server import serve_ffn
+
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag
+    serve_ffn(args)
+
+
+def _wrap_serve_cmd(serve_cls: type) -> None:
+    global _original_serve_cmd
+    _original_serve_cmd = serve_cls.cmd
+    serve_cls.cmd = staticmethod(serve_cmd)
+
+
+def _afd_stop_worker(worker: Any) -> None:
+    """Runs in each worker process (collective_rpc); a no-op for workers without AFD."""
+    stop = getattr(worker, "afd_stop", None) or getattr(
+        getattr(worker, "worker", None), "afd_stop", None
+    )
+    if stop is not None:
+        stop()
+
+
+def _wrap_engine_core_shutdown(engine_core_cls: type) -> None:
+    if getattr(engine_core_cls.shutdown, _MARK, False):
+        return
+    original = engine_core_cls.shutdown
+
+    def shutdown(self) -> None:
+        try:
+            afd = AfdConfig.resolve(afd_section(self.vllm_config.additional_config))
+            executor = getattr(self, "model_executor", None)
+            if afd is not None and afd.role == "attention" and executor is not None:
+                executor.collective_rpc(_afd_stop_worker, timeout=10)
+        except Exception as exc:  # shutting down: report, never block the teardown
+            log.warning("afd: could not ask the attention workers to send stop: %s", exc)
+        return original(self)
+
+    setattr(shutdown, _MARK, True)
+    engine_core_cls.shutdown = shutdown

@@ -1,0 +1,176 @@
+"""Greedy generation with vLLM's in-process LLM(), colocated or as the AFD attention side.
+
+    python -m vllm_ext.testing.offline MODEL_DIR [--afd-controller HOST:PORT] [--json OUT]
+
+Without --afd-controller this is the reference every AFD run must match; with it, the same
+engine runs as the AFD attention role (its FFN half on the FFN servers afd-ctl routes to).
+The last stdout line is one JSON object: {"results": [...], "generate_s": ..., "init_s": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time there was a small robot",
+    "Hello, my name is",
+]
+
+# Reproducible greedy outputs on CPU (see shared/notes/vllm-on-cpu.md).
+TIMINGS: dict[str, float] = {}
+
+CPU_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def apply_cpu_env(overrides: dict[str, str] | None = None) -> None:
+    """Sets CPU_ENV (then overrides) in os.environ unless already set; call before importing vLLM."""
+    for key, value in {**CPU_ENV, **(overrides or {})}.items():
+        os.environ.setdefault(key, value)
+
+
+def generate(
+    model: str,
+    prompts: list[str] | None = None,
+    max_tokens: int = 16,
+    logprobs: int = 1,
+    **llm_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Runs LLM(model).generate greedily; returns per prompt its token ids, text and the
+    log-prob of each chosen token."""
+    apply_cpu_env()
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "max_num_seqs": 8,
+        "seed": 0,
+    }
+    kwargs.update(llm_kwargs)
+    t0 = time.perf_counter()
+    llm = LLM(model=model, **kwargs)
+    t1 = time.perf_counter()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True
+    )
+    outputs = llm.generate(prompts or DEFAULT_PROMPTS, params)
+    t2 = time.perf_counter()
+    TIMINGS.update(init_s=t1 - t0, generate_s=t2 - t1)
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        lps = [step[tok].logprob for tok, step in zip(ids, completion.logprobs or [], strict=False)]
+        results.append(
+            {"prompt": out.prompt, "token_ids": ids, "text": completion.text, "logprobs": lps}
+        )
+    del llm
+    return results
+
+
+def bench_decode(
+    model: str, decode_tokens: int, repeats: int, batch: int, **llm_kwargs: Any
+) -> dict[str, Any]:
+    """Time per output token of greedy decode: (t(N tokens) - t(1 token)) / (N - 1), best of
+    `repeats`; also the time spent inside the decoder layers' MLP/MoE modules (for AFD: the
+    proxies, i.e. the whole round trip to the FFN side) per decode step."""
+    apply_cpu_env()
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "max_num_seqs": 8,
+        "seed": 0,
+    }
+    kwargs.update(llm_kwargs)
+    llm = LLM(model=model, **kwargs)
+    mlp_s = [0.0]
+
+    def add_timers(m: Any) -> int:
+        def pre(_mod: Any, _args: Any) -> None:
+            _mod._afd_t0 = time.perf_counter()
+
+        def post(_mod: Any, _args: Any, _out: Any) -> None:
+            mlp_s[0] += time.perf_counter() - _mod._afd_t0
+
+        for layer in m.model.layers:
+            layer.mlp.register_forward_pre_hook(pre)
+            layer.mlp.register_forward_hook(post)
+        return len(m.model.layers)
+
+    llm.apply_model(add_timers)
+    prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(batch)]
+
+    def timed(n: int) -> tuple[float, float, list[list[int]]]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        mlp_s[0] = 0.0
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0, mlp_s[0], [list(o.outputs[0].token_ids) for o in outs]
+
+    timed(4)  # warm-up
+    best: tuple[float, float] | None = None
+    tokens: list[list[int]] = []
+    for _ in range(repeats):
+        t1, m1, _ = timed(1)
+        tn, mn, tokens = timed(decode_tokens)
+        tpot = (tn - t1) / (decode_tokens - 1)
+        mlp = (mn - m1) / (decode_tokens - 1)
+        if best is None or tpot < best[0]:
+            best = (tpot, mlp)
+    assert best is not None
+    return {
+        "tpot_ms": best[0] * 1e3,
+        "mlp_ms_per_step": best[1] * 1e3,
+        "token_ids": tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--afd-controller", default="")
+    parser.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS))
+    parser.add_argument("--json", default="", help="also write the report to this file")
+    parser.add_argument(
+        "--bench-decode", type=int, default=0, metavar="N", help="time N-token greedy decode"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    kwargs: dict[str, Any] = {}
+    if args.afd_controller:
+        kwargs["additional_config"] = {
+            "afd": {"role": "attention", "controller": args.afd_controller}
+        }
+    if args.bench_decode:
+        report = bench_decode(args.model, args.bench_decode, args.repeats, args.batch, **kwargs)
+        print(json.dumps(report), flush=True)
+        return
+    prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.prompts)]
+    results = generate(args.model, prompts=prompts, max_tokens=args.max_tokens, **kwargs)
+    report = {"results": results, **TIMINGS}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Command lines and environment for real vLLM processes in tests, the demo and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from vllm_ext.testing.offline import CPU_ENV
+
+# Same engine settings for every side so that colocated and AFD runs are comparable.
+ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0"]
+
+
+def bin_path(name: str) -> str:
+    """A console script of the running interpreter's environment (vllm, afd-ctl)."""
+    return str(Path(sys.executable).with_name(name))
+
+
+def vllm_env(extra: dict[str, str] | None = None, *, in_process: bool = False) -> dict[str, str]:
+    """CPU settings for reproducible greedy outputs (shared/notes/vllm-on-cpu.md)."""
+    env = {k: v for k, v in CPU_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def ffn_argv(model: str | Path, controller: str, *extra: str) -> list[str]:
+    return [
+        bin_path("vllm"), "serve", str(model), "--afd-role", "ffn",
+        "--afd-controller", controller, *ENGINE_FLAGS, *extra,
+    ]  # fmt: skip
+
+
+def serve_argv(model: str | Path, port: int, *extra: str) -> list[str]:
+    return [
+        bin_path("vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+        *ENGINE_FLAGS, "--max-num-seqs", "8", *extra,
+    ]  # fmt: skip
+
+
+def offline_argv(model: str | Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vllm_ext.testing.offline", str(model), *extra]
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited ({proc.returncode}) before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not healthy within {timeout_s} s")
+
+
+def post_json(url: str, body: dict, timeout_s: float = 60) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environ_with(env: dict[str, str]) -> dict[str, str]:
+    merged = dict(os.environ)
+    merged.update(env)
+    return merged
