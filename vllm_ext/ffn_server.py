@@ -25,6 +25,7 @@ import torch
 
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
+from vllm_ext.ffn_graphs import FfnGraphRunner
 
 log = logging.getLogger("vllm_ext.ffn_server")
 
@@ -41,6 +42,11 @@ class FfnWorker:
         self.afd = afd
         self.worker_id = afd.worker_id or f"ffn-{afd.ffn_rank}-{os.getpid()}"
         self.engine = FfnEngine(vllm_config, finalize=False)
+        # CUDA graphs per the payload's capture/replay flags, on GPU unless enforce_eager.
+        self.graphs = FfnGraphRunner(
+            self.engine.forward_layer,
+            enabled=not vllm_config.model_config.enforce_eager,
+        )
         self.steps = 0
         # Seconds spent waiting for attention rows, computing, and writing back.
         self.recv_s = self.compute_s = self.send_s = 0.0
@@ -174,12 +180,13 @@ class FfnWorker:
         shape = StepShape(step_id=payload.step_id, stages=stages, epoch=payload.epoch)
         exchange = self._exchange
         exchange.begin_step(shape)
+        self.graphs.begin_step(payload)
         for layer in range(self.engine.num_layers):
             for stage in sorted(stages):
                 t0 = time.perf_counter()
                 x = exchange.recv(layer, stage)
                 t1 = time.perf_counter()
-                out = self.engine.forward_layer(layer, x)
+                out = self.graphs.run(layer, stage, x)
                 t2 = time.perf_counter()
                 exchange.send(layer, stage, out)
                 self.recv_s += t1 - t0

@@ -1,0 +1,75 @@
+"""FFN-side CUDA graphs follow the payload: capture when it says capturing, replay only when it
+says replaying (never for an eager step whose counts equal a captured key), outputs equal eager.
+
+The mode decisions run everywhere; the capture/replay test needs a CUDA GPU (run it on the
+H200: vLLM is not there, so the tiny model's FFN layers run as plain torch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd_ctl.v1 import afd_pb2
+from vllm_ext.ffn_graphs import CAPTURE, EAGER, REPLAY, FfnGraphMissing, FfnGraphRunner, graph_mode
+
+
+def payload(step: int, counts: list[list[int]], **flags: bool) -> afd_pb2.AFDControlPayload:
+    p = afd_pb2.AFDControlPayload(step_id=step, **flags)
+    for s, row in enumerate(counts):
+        p.stages[s].num_tokens_across_dp.extend(row)
+        p.stages[s].max_tokens_across_dp = max(row)
+    return p
+
+
+def test_the_payload_decides_the_mode():
+    assert graph_mode(payload(1, [[8]], is_graph_capturing=True), enabled=True) == CAPTURE
+    assert graph_mode(payload(2, [[8]], is_graph_replaying=True), enabled=True) == REPLAY
+    assert graph_mode(payload(3, [[8]], is_warmup=True), enabled=True) == EAGER
+    assert graph_mode(payload(4, [[8]]), enabled=True) == EAGER  # same counts, no flag: eager
+    assert graph_mode(payload(5, [[8]], is_graph_replaying=True), enabled=False) == EAGER
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("version", [2, 3])
+def test_capture_and_replay_follow_the_payload_and_match_eager(version: int):
+    from vllm_ext.testing.tiny_deepseek import build_weights, config_for
+    from vllm_ext.testing.torch_ffn import TorchFfnStack
+
+    config = config_for(version)
+    stack = TorchFfnStack(config, build_weights(config, seed=version), "cuda")
+    runner = FfnGraphRunner(stack.forward_layer, enabled=True)
+    hidden = config["hidden_size"]
+    # One receive slot per layer, like the transport's registered buffer (fixed addresses).
+    slots = [torch.empty(64, hidden, device="cuda") for _ in range(stack.num_layers)]
+
+    def step(p: afd_pb2.AFDControlPayload) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Runs every layer of stage 0; returns (runner output, eager reference) per layer."""
+        runner.begin_step(p)
+        rows = max(1, p.stages[0].num_tokens_across_dp[0])
+        results = []
+        for layer in range(stack.num_layers):
+            x = slots[layer][:rows]
+            x.copy_(torch.randn(rows, hidden, device="cuda"))
+            out = runner.run(layer, 0, x).clone()
+            results.append((out, stack.forward_layer(layer, x)))
+        return results
+
+    def check(results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for out, ref in results:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+    layers = stack.num_layers
+    check(step(payload(1, [[4]], is_warmup=True)))
+    assert (runner.captures, runner.replays, runner.eager_runs) == (0, 0, layers)
+    check(step(payload(2, [[8]], is_graph_capturing=True)))
+    check(step(payload(3, [[16]], is_graph_capturing=True)))
+    assert runner.captures == 2 * layers and runner.replays == 0
+    check(step(payload(4, [[8]], is_graph_replaying=True)))
+    check(step(payload(5, [[16]], is_graph_replaying=True)))
+    assert runner.replays == 2 * layers
+    # An eager step (a prefill, say) whose counts equal a captured key does not replay.
+    check(step(payload(6, [[8]])))
+    assert runner.replays == 2 * layers and runner.eager_runs == 2 * layers
+    with pytest.raises(FfnGraphMissing, match=r"counts \(\(12,\),\), which was never captured"):
+        runner.begin_step(payload(7, [[12]], is_graph_replaying=True))

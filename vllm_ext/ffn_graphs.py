@@ -1,0 +1,130 @@
+"""CUDA graphs on the FFN side, captured and replayed exactly when the payload says so.
+
+The attention side captures its decode graphs keyed by the per-stage token counts and tells
+the FFN side what it is doing: `is_graph_capturing` (capture for these counts) and
+`is_graph_replaying` (replay the graph captured for these counts). The FFN side keeps one graph
+per (counts, layer, stage) over that layer's compute. A step without `is_graph_replaying` runs
+eagerly even when its counts equal a captured key: an eager prefill that happens to match a
+decode shape must not replay (the reference plugin's bug, fixed there by this very flag).
+Communication stays outside the graphs (NIXL is driven from the host); a graph reads its input
+from the same receive slot every time and the caller sends its static output on.
+
+Without CUDA (or with enforce_eager) every step runs eagerly and the flags change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Key = tuple[tuple[int, ...], ...]
+EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+
+
+class FfnGraphMissing(RuntimeError):
+    """A payload asked to replay a graph that was never captured for its token counts."""
+
+
+def graph_key(payload: Any) -> Key:
+    """The per-stage token counts, as the attention side keys its graphs."""
+    return tuple(tuple(payload.stages[s].num_tokens_across_dp) for s in sorted(payload.stages))
+
+
+def graph_mode(payload: Any, enabled: bool) -> str:
+    if not enabled:
+        return EAGER
+    if payload.is_graph_capturing:
+        return CAPTURE
+    if payload.is_graph_replaying:
+        return REPLAY
+    return EAGER
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    static_in: torch.Tensor
+    static_out: torch.Tensor
+
+
+class FfnGraphRunner:
+    """Runs `forward_layer(layer, hidden)` eagerly, capturing, or replaying, per payload."""
+
+    def __init__(
+        self, forward_layer: Callable[[int, torch.Tensor], torch.Tensor], *, enabled: bool
+    ) -> None:
+        self.forward_layer = forward_layer
+        self.enabled = enabled and torch.cuda.is_available()
+        self._graphs: dict[tuple[Key, int, int], _Graph] = {}
+        self._pool: Any = None
+        self._key: Key = ()
+        self._mode = EAGER
+        self._step = -1
+        self.captures = 0
+        self.replays = 0
+        self.eager_runs = 0
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def begin_step(self, payload: Any) -> None:
+        self._key = graph_key(payload)
+        self._mode = graph_mode(payload, self.enabled)
+        self._step = payload.step_id
+        captured = {k[0] for k in self._graphs}
+        if self._mode == REPLAY and self._key not in captured:
+            raise FfnGraphMissing(
+                f"payload step {payload.step_id} asks to replay a CUDA graph for token counts "
+                f"{self._key}, which was never captured (captured: {sorted(captured)}); the "
+                "attention side must capture with is_graph_capturing first"
+            )
+
+    def run(self, layer: int, stage: int, hidden: torch.Tensor) -> torch.Tensor:
+        if self._mode == EAGER:
+            self.eager_runs += 1
+            return self.forward_layer(layer, hidden)
+        slot = (self._key, layer, stage)
+        if self._mode == CAPTURE:
+            return self._capture(slot, layer, hidden)
+        entry = self._graphs.get(slot)
+        if entry is None:
+            raise FfnGraphMissing(
+                f"payload step {self._step}: no CUDA graph for layer {layer} stage {stage} at "
+                f"token counts {self._key}"
+            )
+        if entry.static_in.shape != hidden.shape or entry.static_in.dtype != hidden.dtype:
+            raise FfnGraphMissing(
+                f"payload step {self._step}: layer {layer} stage {stage} input "
+                f"{tuple(hidden.shape)} {hidden.dtype} does not match the graph captured for "
+                f"{tuple(entry.static_in.shape)} {entry.static_in.dtype}"
+            )
+        if hidden.data_ptr() != entry.static_in.data_ptr():
+            entry.static_in.copy_(hidden)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.static_out
+
+    def _capture(
+        self, slot: tuple[Key, int, int], layer: int, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        static_in = hidden
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward_layer(layer, static_in)  # warm-up: lazy inits stay out of the graph
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_out = self.forward_layer(layer, static_in)
+        self._pool = graph.pool()
+        self._graphs[slot] = _Graph(graph, static_in, static_out)
+        self.captures += 1
+        graph.replay()
+        return static_out
