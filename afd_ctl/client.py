@@ -135,8 +135,10 @@ class ControllerClient:
                 self._cond.wait(remaining)
             return self._registered
 
-    def wait_complete(self, timeout_s: float = 60.0) -> afd_pb2.View:
-        """Blocks until every expected worker is registered; returns the current view."""
+    def wait_complete(self, timeout_s: float = 60.0, *, after_epoch: int = 0) -> afd_pb2.View:
+        """Blocks until every expected worker is registered (in an epoch newer than
+        `after_epoch`: after a loss the data plane saw first, the daemon's view must move on
+        before it is worth reconnecting); returns that view."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -145,7 +147,12 @@ class ControllerClient:
                 if self._stopped is not None:
                     raise self._stopped
                 view = self._view
-                if view is not None and view.complete and self._unreachable is None:
+                if (
+                    view is not None
+                    and view.complete
+                    and view.epoch > after_epoch
+                    and self._unreachable is None
+                ):
                     # The caller has seen this epoch: older payloads and losses are history.
                     self._acknowledged_epoch = max(self._acknowledged_epoch, view.epoch)
                     return view

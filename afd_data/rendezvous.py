@@ -54,8 +54,10 @@ def join(client: ControllerClient, transport: NixlTransport, timeout_s: float) -
 
 
 def rejoin(client: ControllerClient, transport: NixlTransport, timeout_s: float) -> afd_pb2.View:
-    """After a peer was lost: waits for the set to be complete again and reconnects."""
-    view = client.wait_complete(timeout_s)
+    """After a peer was lost: waits for the set to be complete again, in a newer epoch than
+    the one the transport lost a peer in (NIXL may notice a death before the daemon does),
+    and reconnects."""
+    view = client.wait_complete(timeout_s, after_epoch=transport.epoch or 0)
     transport.reconnect(view.epoch, peers_from_view(view))
     log.info("data plane reconnected to %d peer(s) at epoch %d", len(view.peers), view.epoch)
     return view

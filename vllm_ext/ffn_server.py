@@ -109,7 +109,7 @@ class FfnWorker:
             self._connect(self._client.wait_complete(timeout_s=afd.connect_timeout_s))
             while not self._stop.is_set():
                 try:
-                    payload = self._client.next_payload(timeout_s=POLL_S)
+                    self.run_step(self._client.next_payload(timeout_s=POLL_S))
                 except AfdTimeout:
                     continue
                 except AfdStopped as exc:
@@ -118,9 +118,16 @@ class FfnWorker:
                     )
                     return 0
                 except (AfdPeerLost, AfdNotReady) as exc:
+                    # From the daemon or from the data plane (which may see a death first):
+                    # wait for a newer complete view, then reconnect to its peers.
                     log.warning("afd ffn %s: %s", self.worker_id, exc)
+                    assert self._exchange is not None
                     try:
-                        self._connect(self._client.wait_complete(timeout_s=afd.connect_timeout_s))
+                        view = self._client.wait_complete(
+                            timeout_s=afd.connect_timeout_s,
+                            after_epoch=self._exchange.transport.epoch or 0,
+                        )
+                        self._connect(view)
                     except AfdStopped as stopped:
                         log.info("afd ffn %s: %s; exiting", self.worker_id, stopped)
                         return 0
@@ -129,7 +136,6 @@ class FfnWorker:
                     log.warning("afd ffn %s: %s", self.worker_id, exc)
                     time.sleep(POLL_S)
                     continue
-                self.run_step(payload)
             return 0
         except Exception:
             log.exception(
