@@ -60,15 +60,18 @@ class Buffers:
 
     def __init__(self, device: str):
         self.device = device
+        self.devices = {device}
         self.cuda = device != "cpu"
         if self.cuda:
             import torch
 
             self.torch = torch
 
-    def alloc(self, nbytes: int) -> Any:
+    def alloc(self, nbytes: int, device: str | None = None) -> Any:
         if self.cuda:
-            return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
+            device = device or self.device
+            self.devices.add(device)
+            return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=device)
         return np.zeros(nbytes, dtype=np.uint8)
 
     def ptr(self, buf: Any) -> int:
@@ -98,7 +101,8 @@ class Buffers:
 
     def sync(self) -> None:
         if self.cuda:
-            self.torch.cuda.synchronize(self.device)
+            for device in self.devices:
+                self.torch.cuda.synchronize(device)
 
     def copy(self, dst: Any, src: Any) -> None:
         if self.cuda:
@@ -442,7 +446,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Bandwidth.
         afd_bw = afd_rt(bw_rows, 1, bw_iters, echo=False)
         raw_bw = raw_rt(len(tokens_list), bw_iters, echo=False)
-        src, dst = bufs.alloc(bw_bytes), bufs.alloc(bw_bytes)
+        # The floor: a copy between the two sides' devices (peer to peer over NVLink when the
+        # FFN side has its own GPU), or an in-process copy on one device.
+        peer = args.peer_device or args.device
+        src, dst = bufs.alloc(bw_bytes), bufs.alloc(bw_bytes, peer)
         copies = []
         for _ in range(max(5, bw_iters)):
             bufs.sync()
@@ -466,6 +473,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         floor_bw = bw_bytes / pctl(copies, 50) / 1e9
         result.update(
             {
+                "floor": f"copy {args.device} -> {peer}",
                 "bw_256MiB_GBps": round(bw, 2),
                 "raw_nixl_bw_256MiB_GBps": round(raw_bw_gbps, 2),
                 "floor_bw_256MiB_GBps": round(floor_bw, 2),

@@ -96,8 +96,11 @@ def test_vllm_serve_afd_matches_colocated_server(
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        ask(port, tiny_model)
-        out, _ = tap.communicate(timeout=60)
+        # The tap subscribes a moment after it starts: ask until it has seen its payloads.
+        deadline = time.monotonic() + 60
+        while tap.poll() is None and time.monotonic() < deadline:
+            ask(port, tiny_model)
+        out, _ = tap.communicate(timeout=10)
     finally:
         tap.kill()
     events = [json.loads(line) for line in out.splitlines() if line.strip()]

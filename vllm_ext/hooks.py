@@ -40,7 +40,7 @@ def install() -> None:
         _wrap_serve_cmd(serve.ServeSubcommand)
     core = sys.modules.get("vllm.v1.engine.core")
     if core is not None:  # engine-core processes load plugins from EngineCore.__init__
-        _wrap_engine_core_shutdown(core.EngineCore)
+        _wrap_engine_core_shutdown(core)
 
 
 def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,20 +200,47 @@ def _afd_stop_worker(worker: Any) -> None:
         stop()
 
 
-def _wrap_engine_core_shutdown(engine_core_cls: type) -> None:
+def _ask_workers_to_stop(engine_core: Any) -> None:
+    """Attention role: every worker publishes `stop` (sender) and leaves; once per engine."""
+    if getattr(engine_core, "_afd_stop_asked", False):
+        return
+    engine_core._afd_stop_asked = True
+    try:
+        afd = AfdConfig.resolve(afd_section(engine_core.vllm_config.additional_config))
+        executor = getattr(engine_core, "model_executor", None)
+        if afd is not None and afd.role == "attention" and executor is not None:
+            executor.collective_rpc(_afd_stop_worker, timeout=10)
+    except Exception as exc:  # shutting down: report, never block the teardown
+        log.warning("afd: could not ask the attention workers to send stop: %s", exc)
+
+
+def _wrap_engine_core_shutdown(core: Any) -> None:
+    """Stop is sent when the busy loop ends, while vLLM's SIGTERM handler is still installed:
+    by the time EngineCore.shutdown runs, SIGTERM is back to its default and the API server's
+    second SIGTERM would kill the process before the FFN servers hear `stop`. shutdown()
+    asks again (idempotent) for the paths that do not leave through the busy loop."""
+    engine_core_cls = core.EngineCore
     if getattr(engine_core_cls.shutdown, _MARK, False):
         return
-    original = engine_core_cls.shutdown
+    original_shutdown = engine_core_cls.shutdown
 
     def shutdown(self) -> None:
-        try:
-            afd = AfdConfig.resolve(afd_section(self.vllm_config.additional_config))
-            executor = getattr(self, "model_executor", None)
-            if afd is not None and afd.role == "attention" and executor is not None:
-                executor.collective_rpc(_afd_stop_worker, timeout=10)
-        except Exception as exc:  # shutting down: report, never block the teardown
-            log.warning("afd: could not ask the attention workers to send stop: %s", exc)
-        return original(self)
+        _ask_workers_to_stop(self)
+        return original_shutdown(self)
 
     setattr(shutdown, _MARK, True)
     engine_core_cls.shutdown = shutdown
+    for name in ("EngineCoreProc", "DPEngineCoreProc"):
+        cls = getattr(core, name, None)
+        if cls is not None and "run_busy_loop" in vars(cls):
+            cls.run_busy_loop = _stop_after(vars(cls)["run_busy_loop"])
+
+
+def _stop_after(run_busy_loop: Any) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run_busy_loop(self, *args, **kwargs)
+        finally:
+            _ask_workers_to_stop(self)
+
+    return wrapped
