@@ -99,6 +99,7 @@ class ControllerClient:
         self._unreachable: AfdControllerUnreachable | None = None
         self._fatal: AfdError | None = None
         self._stopped: AfdStopped | None = None
+        self._drained = False
         self._lost: AfdPeerLost | None = None
         self._was_complete = False
         # Epoch of the last complete view handed to the caller by wait_complete().
@@ -160,6 +161,18 @@ class ControllerClient:
                 if remaining <= 0:
                     raise AfdTimeout(self._incomplete_message(f"after {timeout_s:.1f} s"))
                 self._cond.wait(remaining)
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Blocks until the daemon itself sends STOP (drain or `afd-ctl stop`); False on
+        timeout. A stop payload from the attention side does not end this wait."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._drained and self._fatal is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return self._drained
 
     def wait_stopped(self, timeout_s: float) -> bool:
         """Blocks until the job is stopped (stop payload or STOP event); False on timeout."""
@@ -279,7 +292,8 @@ class ControllerClient:
         if which == "payload":
             payload = message.payload
             if payload.stop:
-                self._stop(f"the attention side sent stop at step {payload.step_id}")
+                # The worker stays registered until it closes: others may still be finishing.
+                self._stop(f"the attention side sent stop at step {payload.step_id}", hang_up=False)
             else:
                 self._payloads.put(payload)
             return
@@ -316,6 +330,8 @@ class ControllerClient:
             self._note_view()
             self._cond.notify_all()
         if event.kind == Kind.STOP:
+            with self._cond:
+                self._drained = True
             self._stop(f"afd-ctl sent stop: {event.reason}")
         for listener in self._listeners:
             try:
@@ -328,14 +344,15 @@ class ControllerClient:
             self._was_complete = True
             self._lost = None
 
-    def _stop(self, reason: str) -> None:
-        """Stopped for good: tell the caller, and hang up so a draining daemon can exit."""
+    def _stop(self, reason: str, hang_up: bool = True) -> None:
+        """Stopped for good: tell the caller; on the daemon's STOP also hang up at once, so a
+        draining daemon can exit without waiting for the caller to close."""
         with self._cond:
             if self._stopped is None:
                 self._stopped = AfdStopped(reason)
                 self._payloads.put(self._stopped)
                 log.info("stopped: %s", reason)
-            call = self._session_call
+            call = self._session_call if hang_up else None
             self._cond.notify_all()
         if call is not None:
             call.cancel()  # type: ignore[attr-defined]

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # Report first, then stay registered so the others' epoch does not change under them.
         print(json.dumps(report), flush=True)
-        client.wait_stopped(args.hold_s)
+        client.wait_drained(args.hold_s)
     finally:
         client.close()
     return 0 if not report.get("problems") else 1
