@@ -46,7 +46,7 @@ def counts_from_payload(payload: afd_pb2.AFDControlPayload) -> dict[int, list[in
 def join(client: ControllerClient, transport: NixlTransport, timeout_s: float) -> afd_pb2.View:
     """Registers (if not yet), waits for the expected set and connects the transport."""
     client.connect(timeout_s)
-    client.add_listener(lambda event: _on_event(transport, event))
+    follow_losses(client, transport)
     view = client.wait_complete(timeout_s)
     transport.connect(view.epoch, peers_from_view(view))
     log.info("data plane connected to %d peer(s) at epoch %d", len(view.peers), view.epoch)
@@ -63,6 +63,11 @@ def rejoin(client: ControllerClient, transport: NixlTransport, timeout_s: float)
     return view
 
 
-def _on_event(transport: NixlTransport, event: afd_pb2.MembershipEvent) -> None:
-    if event.kind == afd_pb2.MembershipEvent.PEER_LOST:
-        transport.mark_peer_lost(event.worker.role, event.worker.role_rank, event.reason)
+def follow_losses(client: ControllerClient, transport: NixlTransport) -> None:
+    """Every PEER_LOST from the daemon interrupts the transport's waits on that peer."""
+
+    def on_event(event: afd_pb2.MembershipEvent) -> None:
+        if event.kind == afd_pb2.MembershipEvent.PEER_LOST:
+            transport.mark_peer_lost(event.worker.role, event.worker.role_rank, event.reason)
+
+    client.add_listener(on_event)

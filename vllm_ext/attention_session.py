@@ -59,6 +59,7 @@ class AttentionSession:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         from afd_ctl.client import ControllerClient, WorkerSpec
+        from afd_data.rendezvous import follow_losses
 
         afd = self.afd
         model_config = self.vllm_config.model_config
@@ -89,6 +90,7 @@ class AttentionSession:
             tp_size=self.tp_size,
         )
         self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
+        follow_losses(self._client, self._exchange.transport)
         registered = self._client.connect(timeout_s=afd.connect_timeout_s)
         view = self._client.wait_complete(timeout_s=afd.connect_timeout_s)
         self._is_sender = registered.is_sender

@@ -79,17 +79,6 @@ def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: 
     return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config)
 
 
-def _peers(view: Any, role: int) -> list[tuple[str, int, int, bytes]]:
-    from afd_ctl.v1 import afd_pb2
-
-    label = "ffn" if role == afd_pb2.FFN else "attention"
-    return [
-        (label, p.worker.role_rank, p.worker.dp_rank, bytes(p.data_plane_blob))
-        for p in view.peers
-        if p.worker.role == role
-    ]
-
-
 def _tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
     """Zero-copy torch view of a transport buffer (numpy on CPU, torch on CUDA)."""
     if isinstance(array, torch.Tensor):
@@ -107,9 +96,9 @@ class AttentionExchange:
         return self.transport.blob()
 
     def connect(self, view: Any) -> None:
-        from afd_ctl.v1 import afd_pb2
+        from afd_data.rendezvous import peers_from_view
 
-        self.transport.reconnect(view.epoch, _peers(view, afd_pb2.FFN))
+        self.transport.reconnect(view.epoch, peers_from_view(view))
 
     def begin_step(self, shape: StepShape) -> None:
         self.transport.begin_step(shape.step_id, shape.per_stage())
@@ -141,9 +130,9 @@ class FfnExchange:
         return self.transport.blob()
 
     def connect(self, view: Any) -> None:
-        from afd_ctl.v1 import afd_pb2
+        from afd_data.rendezvous import peers_from_view
 
-        self.transport.reconnect(view.epoch, _peers(view, afd_pb2.ATTENTION))
+        self.transport.reconnect(view.epoch, peers_from_view(view))
 
     def begin_step(self, shape: StepShape) -> None:
         self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)

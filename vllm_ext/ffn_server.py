@@ -69,6 +69,7 @@ class FfnWorker:
             AfdStopped,
             AfdTimeout,
         )
+        from afd_data.rendezvous import follow_losses
 
         afd = self.afd
         hf = self.vllm_config.model_config.hf_config
@@ -92,6 +93,7 @@ class FfnWorker:
         )
         spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
         self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
+        follow_losses(self._client, self._exchange.transport)
         if afd.profile_dir:
             from vllm_ext.attention_session import _StepProfiler
 
