@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 
+from afd_ctl import payloads
 from afd_ctl.channel import DEFAULT_CONTROLLER
 from afd_ctl.client import ControllerClient
 from afd_ctl.errors import AfdError, AfdPeerLost, AfdStopped, AfdTimeout
@@ -26,12 +27,8 @@ def expected_counts(step_id: int, stage: int, dp_size: int) -> list[int]:
 
 
 def make_payload(step_id: int, dp_size: int, stages: int) -> afd_pb2.AFDControlPayload:
-    payload = afd_pb2.AFDControlPayload(step_id=step_id, is_warmup=step_id <= 2)
-    for stage in range(stages):
-        counts = expected_counts(step_id, stage, dp_size)
-        payload.stages[stage].num_tokens_across_dp.extend(counts)
-        payload.stages[stage].max_tokens_across_dp = max(counts)
-    return payload
+    counts = [expected_counts(step_id, stage, dp_size) for stage in range(stages)]
+    return payloads.make_payload(step_id, counts, is_warmup=step_id <= 2)
 
 
 def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[str, object]:

@@ -38,11 +38,6 @@ def peers_from_view(view: afd_pb2.View) -> list[PeerSpec]:
     ]
 
 
-def counts_from_payload(payload: afd_pb2.AFDControlPayload) -> dict[int, list[int]]:
-    """The payload's per-stage token counts, as `NixlTransport.begin_step` takes them."""
-    return {s: list(meta.num_tokens_across_dp) for s, meta in payload.stages.items()}
-
-
 def join(client: ControllerClient, transport: NixlTransport, timeout_s: float) -> afd_pb2.View:
     """Registers (if not yet), waits for the expected set and connects the transport."""
     client.connect(timeout_s)

@@ -51,15 +51,10 @@ def sleep_until(deadline_ns: int) -> None:
 
 
 def payload_for(step: int):
+    from afd_ctl.payloads import make_payload
     from afd_ctl.sim_worker import expected_counts
-    from afd_ctl.v1 import afd_pb2
 
-    payload = afd_pb2.AFDControlPayload(step_id=step)
-    for stage in range(2):
-        counts = expected_counts(step, stage, ATTENTION_DP)
-        payload.stages[stage].num_tokens_across_dp.extend(counts)
-        payload.stages[stage].max_tokens_across_dp = max(counts)
-    return payload
+    return make_payload(step, [expected_counts(step, stage, ATTENTION_DP) for stage in range(2)])
 
 
 def payload_json(step: int) -> bytes:

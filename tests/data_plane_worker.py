@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from afd_ctl.client import ControllerClient  # noqa: E402
 from afd_ctl.errors import AfdPeerLost  # noqa: E402  (covers the data plane's too)
 from afd_ctl.membership import WorkerSpec  # noqa: E402
-from afd_ctl.v1 import afd_pb2  # noqa: E402
+from afd_ctl.payloads import make_payload, stage_counts  # noqa: E402
 from afd_data import NixlTransport, Role, TransportConfig  # noqa: E402
-from afd_data.rendezvous import counts_from_payload, join, rejoin  # noqa: E402
+from afd_data.rendezvous import join, rejoin  # noqa: E402
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -112,14 +112,6 @@ class Mismatch(AssertionError):
     pass
 
 
-def payload_for(step: int, counts: list[list[int]]) -> afd_pb2.AFDControlPayload:
-    payload = afd_pb2.AFDControlPayload(step_id=step)
-    for stage, row in enumerate(counts):
-        payload.stages[stage].num_tokens_across_dp.extend(row)
-        payload.stages[stage].max_tokens_across_dp = max(row)
-    return payload
-
-
 def run_attention(
     t: NixlTransport,
     client: ControllerClient,
@@ -140,7 +132,7 @@ def run_attention(
         # The sender sizes its own buffers from the payload first, then publishes it.
         t.begin_step(step, counts, epoch=t.epoch)
         if client.is_sender:
-            client.publish(payload_for(step, counts))
+            client.publish(make_payload(step, counts))
         rows = [max(1, counts[s][dp]) for s in range(args.stages)]
         sent: dict[tuple[int, int], np.ndarray] = {}
         # Run `depth` layers ahead: send layer l, then take the output of layer l - depth + 1.
@@ -206,7 +198,7 @@ def run_ffn(
     for i in range(steps):
         step = first_step + i
         payload = client.next_payload(args.timeout)
-        counts = counts_from_payload(payload)
+        counts = stage_counts(payload)
         want = step_counts(
             args.seed, step, args.stages, cfg.attention_dp_size, cfg.max_tokens_per_peer
         )

@@ -10,16 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from afd_ctl.payloads import make_payload
 from afd_ctl.v1 import afd_pb2
 from vllm_ext.ffn_graphs import CAPTURE, EAGER, REPLAY, FfnGraphMissing, FfnGraphRunner, graph_mode
 
 
 def payload(step: int, counts: list[list[int]], **flags: bool) -> afd_pb2.AFDControlPayload:
-    p = afd_pb2.AFDControlPayload(step_id=step, **flags)
-    for s, row in enumerate(counts):
-        p.stages[s].num_tokens_across_dp.extend(row)
-        p.stages[s].max_tokens_across_dp = max(row)
-    return p
+    return make_payload(step, counts, **flags)
 
 
 def test_the_payload_decides_the_mode():

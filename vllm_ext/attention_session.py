@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from afd_ctl.payloads import make_payload
 from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
 from vllm_ext.exchange import AttentionExchange, StepShape, expected_counts
@@ -141,8 +142,6 @@ class AttentionSession:
     # -- per step ---------------------------------------------------------------------------
     def begin_step(self, ctx: Any, num_tokens: int | None, flags: StepFlags) -> None:
         """`num_tokens`: rows this rank's model runs now (padded); `ctx`: vLLM's forward context."""
-        from afd_ctl.v1 import afd_pb2
-
         if self._exchange is None or self._client is None:
             raise RuntimeError("afd: attention session is closed")
         counts = self._counts(ctx, num_tokens)
@@ -152,16 +151,14 @@ class AttentionSession:
         self._exchange.begin_step(shape)
         self._shape = shape
         if self._is_sender:
-            payload = afd_pb2.AFDControlPayload(
-                step_id=self.step_id,
+            payload = make_payload(
+                self.step_id,
+                shape.stages,
                 is_warmup=flags.is_warmup,
                 is_profile=flags.is_profile,
                 is_graph_capturing=flags.is_graph_capturing,
                 is_graph_replaying=flags.is_graph_replaying,
             )
-            for stage, stage_counts in shape.stages.items():
-                payload.stages[stage].num_tokens_across_dp.extend(stage_counts)
-                payload.stages[stage].max_tokens_across_dp = max(stage_counts)
             self._client.publish(payload)
         if self._profiler is not None:
             self._profiler.step(self.step_id)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from afd_ctl.payloads import stage_counts
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
 from vllm_ext.ffn_graphs import FfnGraphRunner
@@ -184,7 +185,7 @@ class FfnWorker:
     def run_step(self, payload: Any) -> None:
         """All layers of one step: per layer and stage, the peers' rows in, their slices out."""
         assert self._exchange is not None
-        stages = {k: list(v.num_tokens_across_dp) for k, v in payload.stages.items()}
+        stages = stage_counts(payload)
         shape = StepShape(step_id=payload.step_id, stages=stages, epoch=payload.epoch)
         exchange = self._exchange
         exchange.begin_step(shape)
