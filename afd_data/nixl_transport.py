@@ -253,6 +253,11 @@ class NixlTransport:
     def step_id(self) -> int | None:
         return self._step
 
+    @property
+    def lost(self) -> AfdPeerLost | None:
+        """The loss this transport saw in its epoch (every wait raises it until reconnect)."""
+        return self._lost
+
     def connect(self, epoch: int, peers: Iterable[PeerSpec | Sequence[Any]]) -> None:
         """Connects to the peers of this epoch: every routed peer, each as (role, role_rank,
         dp_rank, blob). Validates everything before changing anything."""

@@ -7,21 +7,30 @@ designated sender) publishes the AFDControlPayload; each proxy layer calls `exch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from afd_ctl.errors import AfdError, AfdNotReady, AfdTimeout
 from afd_ctl.payloads import make_payload
+from afd_data.errors import AfdDataError
 from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
 from vllm_ext.exchange import AttentionExchange, StepShape, expected_counts
+from vllm_ext.step_failures import AfdStepFailed
 
 log = logging.getLogger(__name__)
+
+# Before a step after a loss: how long to wait for afd-ctl's next complete view (it may be on
+# its way); past that the step fails at once, so requests do not queue behind a dead FFN side.
+RECONNECT_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -141,27 +150,61 @@ class AttentionSession:
 
     # -- per step ---------------------------------------------------------------------------
     def begin_step(self, ctx: Any, num_tokens: int | None, flags: StepFlags) -> None:
-        """`num_tokens`: rows this rank's model runs now (padded); `ctx`: vLLM's forward context."""
+        """`num_tokens`: rows this rank's model runs now (padded); `ctx`: vLLM's forward context.
+
+        Raises AfdStepFailed when the FFN side cannot serve this step (lost, not yet back):
+        the engine fails the step's requests and stays up (vllm_ext.step_failures)."""
         if self._exchange is None or self._client is None:
             raise RuntimeError("afd: attention session is closed")
         counts = self._counts(ctx, num_tokens)
         self.step_id += 1
         shape = StepShape(step_id=self.step_id, stages={0: counts})
-        # Data-plane state first (buffers for this step), then the control message.
-        self._exchange.begin_step(shape)
-        self._shape = shape
-        if self._is_sender:
-            payload = make_payload(
-                self.step_id,
-                shape.stages,
-                is_warmup=flags.is_warmup,
-                is_profile=flags.is_profile,
-                is_graph_capturing=flags.is_graph_capturing,
-                is_graph_replaying=flags.is_graph_replaying,
-            )
-            self._client.publish(payload)
+        self._shape = None
+        with _step_failures(self.step_id):
+            self._ensure_connected()
+            # Data-plane state first (buffers for this step), then the control message.
+            self._exchange.begin_step(shape)
+            self._shape = shape
+            if self._is_sender:
+                payload = make_payload(
+                    self.step_id,
+                    shape.stages,
+                    is_warmup=flags.is_warmup,
+                    is_profile=flags.is_profile,
+                    is_graph_capturing=flags.is_graph_capturing,
+                    is_graph_replaying=flags.is_graph_replaying,
+                )
+                self._client.publish(payload)
         if self._profiler is not None:
             self._profiler.step(self.step_id)
+
+    def _ensure_connected(self) -> None:
+        """Before a step: if the data plane lost a peer or afd-ctl moved to a newer epoch,
+        reconnect to the newest complete view, waiting at most RECONNECT_WAIT_S for it."""
+        assert self._exchange is not None and self._client is not None
+        transport = self._exchange.transport
+        view = self._client.view
+        if transport.lost is None and view.complete and view.epoch == transport.epoch:
+            return
+        try:
+            view = self._client.wait_complete(
+                timeout_s=min(RECONNECT_WAIT_S, self.afd.step_timeout_s),
+                after_epoch=transport.epoch or 0,
+            )
+        except AfdTimeout:
+            why = transport.lost or "the FFN side is not complete"
+            raise AfdNotReady(
+                f"no complete FFN side to run on ({why}); afd-ctl at {self.afd.controller} "
+                "has not seen the FFN servers come back. Start them again; /health is 503 "
+                "until then"
+            ) from None
+        self._exchange.connect(view)
+        log.warning(
+            "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",
+            self.worker_id,
+            len(view.peers),
+            view.epoch,
+        )
 
     def _counts(self, ctx: Any, num_tokens: int | None) -> list[int]:
         dp = getattr(ctx, "dp_metadata", None) if ctx is not None else None
@@ -180,12 +223,23 @@ class AttentionSession:
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
-        return exchange.exchange(layer_idx, 0, hidden_states)
+        with _step_failures(shape.step_id, layer_idx):
+            return exchange.exchange(layer_idx, 0, hidden_states)
 
     def end_step(self) -> None:
         if self._exchange is not None and self._shape is not None:
             self._exchange.end_step()
         self._shape = None
+
+
+@contextlib.contextmanager
+def _step_failures(step_id: int, layer: int | None = None) -> Iterator[None]:
+    """AFD errors of a step become AfdStepFailed, which fails the step's requests only."""
+    try:
+        yield
+    except (AfdError, AfdDataError) as exc:
+        where = f"step {step_id}" + (f", layer {layer}" if layer is not None else "")
+        raise AfdStepFailed(f"{where}: {exc}") from exc
 
 
 class _StepProfiler:

