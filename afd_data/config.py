@@ -74,8 +74,11 @@ class TransportConfig:
     # While a wait lasts longer than this, probe the awaited peers with a tiny notification so
     # a dead one surfaces as a NIXL disconnect long before the receive bound.
     probe_interval_s: float = 0.1
-    # A wait spins this long on NIXL before it sleeps between polls, then sleeps this long.
+    # A wait spins on NIXL this long, then yields the CPU between polls (sched_yield: full
+    # speed on an idle core, the core handed over when anything else wants it) this long,
+    # then sleeps this long between polls.
     poll_spin_us: float = 100.0
+    poll_yield_us: float = 10000.0
     poll_sleep_us: float = 20.0
     # NIXL progress thread; off by default (on small hosts it starves the workers, and the
     # transport polls NIXL itself in every wait and in flush()).
@@ -121,7 +124,7 @@ class TransportConfig:
                 raise AfdBadInput(
                     f"TransportConfig.{name} must be > 0, got {getattr(self, name)!r}"
                 )
-        for name in ("poll_spin_us", "poll_sleep_us"):
+        for name in ("poll_spin_us", "poll_yield_us", "poll_sleep_us"):
             if getattr(self, name) < 0:
                 raise AfdBadInput(
                     f"TransportConfig.{name} must be >= 0, got {getattr(self, name)!r}"

@@ -174,7 +174,9 @@ class NixlTransport:
         self._mem = make_memory(device)
         self._base = self._mem.allocate(self._layout.total_bytes)
         self._views: dict[tuple[int, int, int, str], Array] = {}
-        self._backoff = Backoff(config.poll_spin_us * 1e-6, config.poll_sleep_us * 1e-6)
+        self._backoff = Backoff(
+            config.poll_spin_us * 1e-6, config.poll_sleep_us * 1e-6, config.poll_yield_us * 1e-6
+        )
         self._closed = False
 
         self._agent = nixl_agent(

@@ -141,8 +141,11 @@ class RawNixl:
             max_tokens_per_peer=1,
             poll_spin_us=poll.get("poll_spin_us", 100.0),
             poll_sleep_us=poll.get("poll_sleep_us", 20.0),
+            poll_yield_us=poll.get("poll_yield_us", 10000.0),
         )
-        self.backoff = Backoff(cfg.poll_spin_us * 1e-6, cfg.poll_sleep_us * 1e-6)
+        self.backoff = Backoff(
+            cfg.poll_spin_us * 1e-6, cfg.poll_sleep_us * 1e-6, cfg.poll_yield_us * 1e-6
+        )
         self.bufs = bufs
         self.sizes = sizes
         self.agent = api.nixl_agent(
@@ -348,6 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "recv_timeout_s": 60.0,
         "transfer_timeout_s": 60.0,
         "poll_spin_us": args.spin_us,
+        "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
     }
     raw_sizes = [tok * ROW_BYTES for tok in tokens_list] + [bw_bytes]
@@ -356,7 +360,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t = NixlTransport(
         f"bench-attn-{os.getpid()}", "attention", 0, TransportConfig(**config), device=args.device
     )
-    poll = {"poll_spin_us": args.spin_us, "poll_sleep_us": args.sleep_us}
+    poll = {
+        "poll_spin_us": args.spin_us,
+        "poll_yield_us": args.yield_us,
+        "poll_sleep_us": args.sleep_us,
+    }
     raw = RawNixl(f"bench-raw-attn-{os.getpid()}", bufs, bw_bytes, raw_sizes, poll)
     try:
         hello = child.read()
@@ -503,6 +511,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=0, help="round trips per size (default by mode)")
     p.add_argument("--bw-iters", type=int, default=0)
     p.add_argument("--spin-us", type=float, default=100.0, help="poll spin before sleeping")
+    p.add_argument(
+        "--yield-us", type=float, default=10000.0, help="then sched_yield between polls this long"
+    )
     p.add_argument("--sleep-us", type=float, default=20.0, help="sleep between polls after")
     p.add_argument("--tokens", default="64,128,256", help="round-trip token counts")
     p.add_argument("--bw-mib", type=int, default=256, help="bandwidth transfer size")
@@ -526,6 +537,7 @@ def main() -> None:
         "dtype": "bfloat16",
         "layers_per_step": LAYERS_PER_STEP,
         "poll_spin_us": args.spin_us,
+        "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
         **result,
         "wall_s": round(time.monotonic() - started, 1),

@@ -8,7 +8,8 @@ Where the added time goes, per decode step:
 - `*_mlp_ms_per_step`: time inside the decoder layers' MLP/MoE modules on the attention side;
   colocated that is the FFN compute, under AFD it is the proxies' round trip to the FFN server.
 - `ffn_compute_ms_per_step`, `ffn_recv_wait_ms_per_step`, `ffn_send_ms_per_step`: the FFN
-  server's own split (recv wait includes the attention side's attention compute).
+  server's own split, medians over its steps (recv wait includes the attention side's
+  attention compute).
 - `afd_exchange_overhead_ms_per_step` = AFD round trip - FFN compute: transfers, notifications,
   copies into registered memory and the custom-op call, i.e. what AFD adds per step.
 
@@ -82,9 +83,9 @@ def main() -> None:
             for p in (attention, ffn, daemon):
                 p.stop()
 
-    # The FFN stats average over every step it served (profile run and prefills included);
-    # the decode steps dominate.
-    ffn_compute = float(ffn_stats.get("compute_ms_per_step", 0.0))
+    # Medians over the FFN server's last 1000 steps: a typical decode step (the means also
+    # count the memory-profiling run and the prefills).
+    ffn_compute = float(ffn_stats.get("compute_ms_median", 0.0))
     result = {
         "benchmark": "e2e_decode",
         "model": f"tiny-deepseek-v{args.version}",
@@ -98,8 +99,8 @@ def main() -> None:
         "colocated_mlp_ms_per_step": round(colo["mlp_ms_per_step"], 3),
         "afd_mlp_roundtrip_ms_per_step": round(afd["mlp_ms_per_step"], 3),
         "ffn_compute_ms_per_step": round(ffn_compute, 3),
-        "ffn_recv_wait_ms_per_step": round(float(ffn_stats.get("recv_wait_ms_per_step", 0)), 3),
-        "ffn_send_ms_per_step": round(float(ffn_stats.get("send_ms_per_step", 0)), 3),
+        "ffn_recv_wait_ms_per_step": round(float(ffn_stats.get("recv_wait_ms_median", 0)), 3),
+        "ffn_send_ms_per_step": round(float(ffn_stats.get("send_ms_median", 0)), 3),
         "afd_exchange_overhead_ms_per_step": round(afd["mlp_ms_per_step"] - ffn_compute, 3),
         "ffn_steps_served": ffn_stats.get("steps"),
         "wall_s": round(time.monotonic() - started, 1),

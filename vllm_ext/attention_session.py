@@ -1,8 +1,9 @@
 """One attention worker's AFD state: its afd-ctl session, its data plane, its step counter.
 
-Per model forward: `begin_step` sizes the data plane for this step's token counts, then (on a
-designated sender) publishes the AFDControlPayload; each proxy layer calls `exchange`; then
-`end_step`. Every wait is bounded by `step_timeout_s` and fails with the reason.
+Per step: `open_step` (as soon as vLLM has decided the step's padding) sizes the data plane for
+the step's token counts, then (on a designated sender) publishes the AFDControlPayload; the
+model forward checks it runs that step (`check_forward`); each proxy layer calls `exchange`;
+then `end_step`. Every wait is bounded by `step_timeout_s` and fails with the reason.
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ class AttentionSession:
         if afd.worker_id and self.dp_size > 1:
             self.worker_id = f"{afd.worker_id}-dp{self.dp_rank}"
         self.step_id = 0
+        hf = vllm_config.model_config.hf_config
+        self.num_layers: int = hf.num_hidden_layers
+        self.hidden_size: int = hf.hidden_size
+        self.dtype: torch.dtype = vllm_config.model_config.dtype
+        # The open step: its shape, this rank's rows, and how many layers it exchanged.
         self._shape: StepShape | None = None
+        self._num_tokens = 0
+        self._layers_done = 0
         self._client: Any = None
         self._exchange: AttentionExchange | None = None
         self._is_sender = False
@@ -149,22 +157,27 @@ class AttentionSession:
                 log.warning("afd attention %s: data plane close: %s", self.worker_id, exc)
 
     # -- per step ---------------------------------------------------------------------------
-    def begin_step(self, ctx: Any, num_tokens: int | None, flags: StepFlags) -> None:
-        """`num_tokens`: rows this rank's model runs now (padded); `ctx`: vLLM's forward context.
+    def open_step(self, num_tokens: int, across_dp: list[int] | None, flags: StepFlags) -> None:
+        """Opens a step as soon as its token counts are known: sizes the data plane, then (on a
+        designated sender) publishes the AFDControlPayload. The runner calls it right after
+        vLLM decided the step's padding, so the control hop overlaps with input preparation and
+        the first attention layer instead of delaying the FFN side.
 
+        `num_tokens`: rows this rank's model runs (padded); `across_dp`: every DP rank's.
         Raises AfdStepFailed when the FFN side cannot serve this step (lost, not yet back):
         the engine fails the step's requests and stays up (vllm_ext.step_failures)."""
         if self._exchange is None or self._client is None:
             raise RuntimeError("afd: attention session is closed")
-        counts = self._counts(ctx, num_tokens)
+        if self._shape is not None:
+            self._finish_abandoned_step()
+        counts = self._counts(num_tokens, across_dp)
         self.step_id += 1
         shape = StepShape(step_id=self.step_id, stages={0: counts})
-        self._shape = None
         with _step_failures(self.step_id):
             self._ensure_connected()
             # Data-plane state first (buffers for this step), then the control message.
             self._exchange.begin_step(shape)
-            self._shape = shape
+            self._shape, self._num_tokens, self._layers_done = shape, num_tokens, 0
             if self._is_sender:
                 payload = make_payload(
                     self.step_id,
@@ -177,6 +190,41 @@ class AttentionSession:
                 self._client.publish(payload)
         if self._profiler is not None:
             self._profiler.step(self.step_id)
+
+    def check_forward(self, num_tokens: int) -> None:
+        """At the model forward: the open step must be for exactly these rows."""
+        if self._shape is None:
+            raise RuntimeError(
+                "afd: a model forward without an open AFD step (vLLM ran the model without "
+                "deciding its batch padding first); vllm_ext needs updating for this vLLM"
+            )
+        if num_tokens != self._num_tokens:
+            raise AfdStepFailed(
+                f"step {self.step_id}: the model runs {num_tokens} rows but the step was "
+                f"published for {self._num_tokens} (vllm_ext bug)"
+            )
+
+    def _finish_abandoned_step(self) -> None:
+        """A step was published but its forward did not run every layer (it raised): the FFN
+        side waits for the rest, so send zeros for the remaining layers and drop the outputs."""
+        assert self._shape is not None and self._exchange is not None
+        step_id, rows = self._shape.step_id, self._num_tokens
+        log.warning(
+            "afd attention %s: step %d ended after %d of %d layers; completing it with zeros",
+            self.worker_id,
+            step_id,
+            self._layers_done,
+            self.num_layers,
+        )
+        zeros = torch.zeros(rows, self.hidden_size, dtype=self.dtype)
+        try:
+            with _step_failures(step_id):
+                for layer in range(self._layers_done, self.num_layers):
+                    self._exchange.exchange(layer, 0, zeros)
+                self._exchange.end_step()
+        except AfdStepFailed as exc:  # the next step reconnects if the FFN side is gone
+            log.warning("afd attention %s: %s", self.worker_id, exc)
+        self._shape = None
 
     def _ensure_connected(self) -> None:
         """Before a step: if the data plane lost a peer or afd-ctl moved to a newer epoch,
@@ -206,29 +254,34 @@ class AttentionSession:
             view.epoch,
         )
 
-    def _counts(self, ctx: Any, num_tokens: int | None) -> list[int]:
-        dp = getattr(ctx, "dp_metadata", None) if ctx is not None else None
-        if dp is not None and self.dp_size > 1:
-            return [int(n) for n in dp.num_tokens_across_dp_cpu.tolist()]
-        if self.dp_size > 1:
+    def _counts(self, num_tokens: int, across_dp: list[int] | None) -> list[int]:
+        if self.dp_size == 1:
+            return [num_tokens]
+        if across_dp is None or len(across_dp) != self.dp_size:
             raise RuntimeError(
-                "afd: attention DP > 1 but the forward context has no DPMetadata "
-                "(num_tokens_across_dp); cannot tell the FFN side the token counts"
+                f"afd: attention DP {self.dp_size} but vLLM gave no per-rank token counts "
+                f"({across_dp!r}); cannot tell the FFN side the token counts"
             )
-        if num_tokens is None:
-            raise RuntimeError("afd: model forward without positions; cannot size the step")
-        return [num_tokens]
+        if across_dp[self.dp_rank] != num_tokens:
+            raise RuntimeError(
+                f"afd: DP rank {self.dp_rank} runs {num_tokens} rows but vLLM's per-rank "
+                f"counts say {across_dp}"
+            )
+        return across_dp
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
         with _step_failures(shape.step_id, layer_idx):
-            return exchange.exchange(layer_idx, 0, hidden_states)
+            out = exchange.exchange(layer_idx, 0, hidden_states)
+        self._layers_done = layer_idx + 1
+        return out
 
     def end_step(self) -> None:
         if self._exchange is not None and self._shape is not None:
-            self._exchange.end_step()
+            with _step_failures(self._shape.step_id):
+                self._exchange.end_step()
         self._shape = None
 
 

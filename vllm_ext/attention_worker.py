@@ -7,10 +7,13 @@ for the construction window only and restored in `finally`.
 
 Runner: vLLM's own runner, with
 - `load_model`: the model is built inside `model_split.attention_split()` (MLP/MoE become
-  proxies), then the AFD session starts (data plane, registration, peers) and two forward hooks
-  scope every model forward: the pre-hook opens the step (data-plane state, then one published
-  AFDControlPayload), the post-hook closes it. Every forward means every one: real steps, dummy
-  and DP-padding runs, the memory-profiling run and compile warm-up.
+  proxies), then the AFD session starts (data plane, registration, peers).
+- `_determine_batch_execution_and_padding`: where vLLM fixes a step's padded token counts
+  (every DP rank's too), in execute_model and _dummy_run alike: the AFD step opens there
+  (data-plane state, then one published AFDControlPayload), so the payload's hop overlaps
+  with input preparation. Two forward hooks then check the forward runs that step and close
+  it. Every forward means every one: real steps, dummy and DP-padding runs, the
+  memory-profiling run and compile warm-up.
 - `_dummy_run`: only marks the step's flags (profile, warm-up, graph capture).
 """
 
@@ -48,19 +51,29 @@ class AfdAttentionRunnerMixin:
         model.register_forward_pre_hook(self._afd_begin_step, with_kwargs=True)
         model.register_forward_hook(self._afd_end_step)
 
-    def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
-        assert self._afd_session is not None
-        ctx = get_forward_context() if is_forward_context_available() else None
+    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM decides the step's padded size (and, under DP, every rank's) here, before it
+        builds attention metadata and inputs: the AFD step opens now, so its payload travels
+        while the attention side prepares. Both execute_model and _dummy_run pass here."""
+        result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
+        cudagraph_mode, batch_desc, _, across_dp, _ = result
         flags = self._afd_flags or StepFlags()
-        if ctx is not None and not flags.is_graph_capturing:
-            mode = getattr(ctx, "cudagraph_runtime_mode", None)
-            if mode is not None and getattr(mode, "name", "NONE") != "NONE":
-                flags = flags.replaying()
+        if not flags.is_graph_capturing and getattr(cudagraph_mode, "name", "NONE") != "NONE":
+            flags = flags.replaying()
+        assert self._afd_session is not None
+        self._afd_session.open_step(
+            int(batch_desc.num_tokens),
+            [int(n) for n in across_dp.tolist()] if across_dp is not None else None,
+            flags,
+        )
+        return result
+
+    def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        assert self._afd_session is not None
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        num_tokens = int(positions.shape[-1]) if positions is not None else None
-        self._afd_session.begin_step(ctx, num_tokens, flags)
+        if positions is None:
+            raise RuntimeError("afd: model forward without positions; cannot check the step")
+        self._afd_session.check_forward(int(positions.shape[-1]))
 
     def _afd_end_step(self, module: Any, args: Any, output: Any) -> None:
         assert self._afd_session is not None

@@ -6,10 +6,12 @@ a forward context per call) and nothing else: no KV cache, no attention weights,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,6 +43,8 @@ class FfnEngine:
                 _init_one_rank_world(vllm_config)
             self.stack: FfnStack = load_ffn_stack(vllm_config)
         self.ready = False
+        self._step_stack: contextlib.ExitStack | None = None
+        self._step_rows: int | None = None
         if finalize:
             self.finalize(0, 1)
         config = vllm_config.model_config.hf_config
@@ -63,11 +67,30 @@ class FfnEngine:
         self.shard = (shard, shards)
         self.ready = True
 
+    @contextlib.contextmanager
+    def step_scope(self) -> Iterator[None]:
+        """One step: the forward context vLLM's modules need is set once (at the first layer)
+        and kept for every layer with the same row count, instead of once per layer call."""
+        with contextlib.ExitStack() as stack:
+            self._step_stack, self._step_rows = stack, None
+            try:
+                yield
+            finally:
+                self._step_stack, self._step_rows = None, None
+
     @torch.inference_mode()
     def forward_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import set_forward_context
 
-        with set_forward_context(None, self.vllm_config, num_tokens=hidden_states.shape[0]):
+        rows = hidden_states.shape[0]
+        if self._step_stack is not None and self._step_rows in (None, rows):
+            if self._step_rows is None:
+                self._step_stack.enter_context(
+                    set_forward_context(None, self.vllm_config, num_tokens=rows)
+                )
+                self._step_rows = rows
+            return self.stack.forward_layer(layer_idx, hidden_states)
+        with set_forward_context(None, self.vllm_config, num_tokens=rows):
             return self.stack.forward_layer(layer_idx, hidden_states)
 
 

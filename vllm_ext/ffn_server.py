@@ -16,9 +16,11 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from vllm_ext.ffn_graphs import FfnGraphRunner
 log = logging.getLogger("vllm_ext.ffn_server")
 
 POLL_S = 0.5
+STAT_WINDOW = 1000
 
 
 class FfnWorker:
@@ -51,6 +54,9 @@ class FfnWorker:
         self.steps = 0
         # Seconds spent waiting for attention rows, computing, and writing back.
         self.recv_s = self.compute_s = self.send_s = 0.0
+        # The same split for each of the last STAT_WINDOW steps (medians: a typical step,
+        # which a long profile or prefill step does not skew).
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=STAT_WINDOW)
         self._stop = threading.Event()
         self._client: Any = None
         self._exchange: FfnExchange | None = None
@@ -150,12 +156,16 @@ class FfnWorker:
 
     def stats(self) -> dict[str, float]:
         n = max(1, self.steps)
-        return {
+        stats = {
             "steps": self.steps,
             "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
             "compute_ms_per_step": 1e3 * self.compute_s / n,
             "send_ms_per_step": 1e3 * self.send_s / n,
         }
+        if self._recent:
+            for i, name in enumerate(("recv_wait", "compute", "send")):
+                stats[f"{name}_ms_median"] = 1e3 * statistics.median(r[i] for r in self._recent)
+        return stats
 
     def close(self) -> None:
         log.info("afd ffn %s: stats %s", self.worker_id, json.dumps(self.stats()))
@@ -190,18 +200,24 @@ class FfnWorker:
         exchange = self._exchange
         exchange.begin_step(shape)
         self.graphs.begin_step(payload)
-        for layer in range(self.engine.num_layers):
-            for stage in sorted(stages):
-                t0 = time.perf_counter()
-                x = exchange.recv(layer, stage)
-                t1 = time.perf_counter()
-                out = self.graphs.run(layer, stage, x)
-                t2 = time.perf_counter()
-                exchange.send(layer, stage, out)
-                self.recv_s += t1 - t0
-                self.compute_s += t2 - t1
-                self.send_s += time.perf_counter() - t2
+        recv_s = compute_s = send_s = 0.0
+        with self.engine.step_scope():
+            for layer in range(self.engine.num_layers):
+                for stage in sorted(stages):
+                    t0 = time.perf_counter()
+                    x = exchange.recv(layer, stage)
+                    t1 = time.perf_counter()
+                    out = self.graphs.run(layer, stage, x)
+                    t2 = time.perf_counter()
+                    exchange.send(layer, stage, out)
+                    recv_s += t1 - t0
+                    compute_s += t2 - t1
+                    send_s += time.perf_counter() - t2
         exchange.end_step()
+        self.recv_s += recv_s
+        self.compute_s += compute_s
+        self.send_s += send_s
+        self._recent.append((recv_s, compute_s, send_s))
         self.steps += 1
         if self._profiler is not None:
             self._profiler.step(payload.step_id)
