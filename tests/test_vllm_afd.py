@@ -102,6 +102,31 @@ def test_afd_1_attention_1_ffn_matches_colocated(
 
 
 @pytest.mark.timeout(600)
+def test_router_gate_on_the_attention_side_matches_colocated(
+    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """AFD_GATE=attention on both roles: the attention side computes each MoE layer's router
+    logits and sends them with the hidden states; the FFN side routes with them (DeepSeek-V3:
+    sigmoid scores, grouped top-k and the correction bias stay on the FFN side)."""
+    model = tiny_models[3]
+    reference = colocated_reference(model, 3, tmp_path)
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    gate = {"AFD_GATE": "attention"}
+    ffn = Proc(ffn_argv(model, daemon.address), tmp_path / "ffn.log", vllm_env(gate))
+    procs.append(ffn)
+    attention = Proc(
+        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env(gate, in_process=True),
+    )
+    procs.append(attention)
+    report = attention.json_report(timeout=300)
+    assert_same_generation(report, reference)
+    assert ffn.wait(30) == 0, ffn.tail()
+    assert "gate=attention" in attention.log(), attention.tail()
+
+
+@pytest.mark.timeout(600)
 def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
     tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:

@@ -98,6 +98,7 @@ class AttentionSession:
             hidden_size=model_config.hf_config.hidden_size,
             max_tokens=max_tokens,
             timeout_s=afd.step_timeout_s,
+            router=model_split.router_columns(model_config.hf_config, model_config.dtype, afd.gate),
         )
         spec = WorkerSpec(
             worker_id=self.worker_id,
@@ -269,12 +270,14 @@ class AttentionSession:
             )
         return across_dp
 
-    def exchange(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    def exchange(
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+    ) -> torch.Tensor:
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
         with _step_failures(shape.step_id, layer_idx):
-            out = exchange.exchange(layer_idx, 0, hidden_states)
+            out = exchange.exchange(layer_idx, 0, hidden_states, router_logits)
         self._layers_done = layer_idx + 1
         return out
 

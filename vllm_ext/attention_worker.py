@@ -39,11 +39,11 @@ class AfdAttentionRunnerMixin:
     _afd_flags: StepFlags | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        with attention_split():
-            super().load_model(*args, **kwargs)  # type: ignore[misc]
         afd = from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
         if afd is None:
             raise RuntimeError("AfdAttentionWorker without an afd section in additional_config")
+        with attention_split(gate_here=afd.gate == "attention"):
+            super().load_model(*args, **kwargs)  # type: ignore[misc]
         session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
         session.start()
         self._afd_session = session

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ROLES = ("attention", "ffn")
+GATE_SIDES = ("ffn", "attention")
 ENV_PREFIX = "AFD_"
 # Keys accepted under additional_config["afd"]; each is also AFD_<KEY> in the environment.
 _BOOL_TRUE = {"1", "true", "yes", "on"}
@@ -37,6 +38,10 @@ class AfdConfig:
     log_level: str = "INFO"
     # FFN role: this server's FFN rank, below the number of FFN ranks afd-ctl expects.
     ffn_rank: int = 0
+    # Where the MoE router gate runs: "ffn" (with the experts) or "attention" (the attention
+    # side computes the router logits and sends them with the hidden states). Both roles must
+    # say the same; the data plane refuses peers that disagree.
+    gate: str = "ffn"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -49,6 +54,8 @@ class AfdConfig:
             raise ValueError("afd connect_timeout_s and step_timeout_s must be > 0")
         if self.max_tokens < 0:
             raise ValueError(f"afd max_tokens must be >= 0, got {self.max_tokens}")
+        if self.gate not in GATE_SIDES:
+            raise ValueError(f"afd gate must be one of {GATE_SIDES}, got {self.gate!r}")
         if self.ffn_rank < 0:
             raise ValueError(f"afd ffn_rank must be >= 0, got {self.ffn_rank}")
         if self.profile_steps < 1 or self.profile_start_step < 0:

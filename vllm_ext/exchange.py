@@ -64,7 +64,8 @@ def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
 
 
 def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: int,
-               hidden_size: int, dtype: torch.dtype, max_tokens: int, timeout_s: float) -> Any:  # fmt: skip
+               hidden_size: int, dtype: torch.dtype, max_tokens: int, timeout_s: float,
+               router: tuple[int, str]) -> Any:  # fmt: skip
     from afd_data import NixlTransport, TransportConfig
 
     # AFD_DATA_<FIELD> environment variables tune the rest (polling, bounds, progress thread).
@@ -75,8 +76,14 @@ def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: 
         num_attention=num_attention,
         num_ffn=num_ffn,
         recv_timeout_s=timeout_s,
+        router_width=router[0],
+        router_dtype=router[1],
     )
     return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
 
 
 def _tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -88,9 +95,12 @@ def _tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 class AttentionExchange:
-    def __init__(self, *, name: str, rank: int, dtype: torch.dtype, **sizes: Any) -> None:
+    def __init__(
+        self, *, name: str, rank: int, dtype: torch.dtype, router: tuple[int, str], **sizes: Any
+    ) -> None:
         self.dtype = dtype
-        self.transport = _transport(name, "attention", rank, dtype=dtype, **sizes)
+        self.router_dtype = _torch_dtype(router[1])
+        self.transport = _transport(name, "attention", rank, dtype=dtype, router=router, **sizes)
 
     def blob(self) -> bytes:
         return self.transport.blob()
@@ -103,11 +113,27 @@ class AttentionExchange:
     def begin_step(self, shape: StepShape) -> None:
         self.transport.begin_step(shape.step_id, shape.per_stage())
 
-    def exchange(self, layer: int, stage: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    def exchange(
+        self,
+        layer: int,
+        stage: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`router_logits`: with the gate on the attention side, this MoE layer's logits (a
+        dense layer sends zeros in those columns)."""
         n = hidden_states.shape[0]
-        staged, _ = self.transport.hidden_buffer(layer, stage)
+        staged, staged_router = self.transport.hidden_buffer(layer, stage)
         _tensor(staged, self.dtype)[:n].copy_(hidden_states.reshape(n, -1))
-        self.transport.send_hidden(layer, stage, staged)
+        if staged_router is not None:
+            columns = _tensor(staged_router, self.router_dtype)[:n]
+            if router_logits is None:
+                columns.zero_()
+            else:
+                columns.copy_(router_logits.reshape(n, -1))
+        elif router_logits is not None:
+            raise RuntimeError("afd: router logits given but the data plane carries none")
+        self.transport.send_hidden(layer, stage, staged, staged_router)
         outputs = self.transport.recv_outputs(layer, stage)
         out = _tensor(outputs[0], self.dtype)[:n].clone()
         for extra in outputs[1:]:  # expert-parallel FFN ranks: partial sums
@@ -122,9 +148,12 @@ class AttentionExchange:
 
 
 class FfnExchange:
-    def __init__(self, *, name: str, rank: int, dtype: torch.dtype, **sizes: Any) -> None:
+    def __init__(
+        self, *, name: str, rank: int, dtype: torch.dtype, router: tuple[int, str], **sizes: Any
+    ) -> None:
         self.dtype = dtype
-        self.transport = _transport(name, "ffn", rank, dtype=dtype, **sizes)
+        self.router_dtype = _torch_dtype(router[1])
+        self.transport = _transport(name, "ffn", rank, dtype=dtype, router=router, **sizes)
 
     def blob(self) -> bytes:
         return self.transport.blob()
@@ -137,8 +166,12 @@ class FfnExchange:
     def begin_step(self, shape: StepShape) -> None:
         self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
 
-    def recv(self, layer: int, stage: int) -> torch.Tensor:
-        return _tensor(self.transport.recv_hidden(layer, stage).hidden, self.dtype)
+    def recv(self, layer: int, stage: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every peer's rows, concatenated, and their router logits (gate on the attention
+        side) or None."""
+        batch = self.transport.recv_hidden(layer, stage)
+        router = None if batch.router is None else _tensor(batch.router, self.router_dtype)
+        return _tensor(batch.hidden, self.dtype), router
 
     def send(self, layer: int, stage: int, output: torch.Tensor) -> None:
         staged = self.transport.output_buffer(layer, stage)

@@ -79,7 +79,10 @@ class FfnEngine:
                 self._step_stack, self._step_rows = None, None
 
     @torch.inference_mode()
-    def forward_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward_layer(
+        self, layer_idx: int, hidden_states: torch.Tensor, router: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`router`: the router logits when the gate runs on the attention side."""
         from vllm.forward_context import set_forward_context
 
         rows = hidden_states.shape[0]
@@ -89,9 +92,9 @@ class FfnEngine:
                     set_forward_context(None, self.vllm_config, num_tokens=rows)
                 )
                 self._step_rows = rows
-            return self.stack.forward_layer(layer_idx, hidden_states)
+            return self.stack.forward_layer(layer_idx, hidden_states, router)
         with set_forward_context(None, self.vllm_config, num_tokens=rows):
-            return self.stack.forward_layer(layer_idx, hidden_states)
+            return self.stack.forward_layer(layer_idx, hidden_states, router)
 
 
 def _init_one_rank_world(vllm_config: Any) -> None:

@@ -51,14 +51,15 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     static_in: torch.Tensor
     static_out: torch.Tensor
+    static_router: torch.Tensor | None = None
 
 
 class FfnGraphRunner:
-    """Runs `forward_layer(layer, hidden)` eagerly, capturing, or replaying, per payload."""
+    """Runs `forward_layer(layer, hidden[, router])` eagerly, capturing, or replaying, per
+    payload. `router`: router logits when the gate runs on the attention side (a second graph
+    input, like the hidden states)."""
 
-    def __init__(
-        self, forward_layer: Callable[[int, torch.Tensor], torch.Tensor], *, enabled: bool
-    ) -> None:
+    def __init__(self, forward_layer: Callable[..., torch.Tensor], *, enabled: bool) -> None:
         self.forward_layer = forward_layer
         self.enabled = enabled and torch.cuda.is_available()
         self._graphs: dict[tuple[Key, int, int], _Graph] = {}
@@ -86,13 +87,16 @@ class FfnGraphRunner:
                 "attention side must capture with is_graph_capturing first"
             )
 
-    def run(self, layer: int, stage: int, hidden: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        inputs = (hidden,) if router is None else (hidden, router)
         if self._mode == EAGER:
             self.eager_runs += 1
-            return self.forward_layer(layer, hidden)
+            return self.forward_layer(layer, *inputs)
         slot = (self._key, layer, stage)
         if self._mode == CAPTURE:
-            return self._capture(slot, layer, hidden)
+            return self._capture(slot, layer, inputs)
         entry = self._graphs.get(slot)
         if entry is None:
             raise FfnGraphMissing(
@@ -105,26 +109,32 @@ class FfnGraphRunner:
                 f"{tuple(hidden.shape)} {hidden.dtype} does not match the graph captured for "
                 f"{tuple(entry.static_in.shape)} {entry.static_in.dtype}"
             )
-        if hidden.data_ptr() != entry.static_in.data_ptr():
-            entry.static_in.copy_(hidden)
+        if (router is None) != (entry.static_router is None):
+            raise FfnGraphMissing(
+                f"payload step {self._step}: layer {layer} stage {stage} was captured "
+                f"{'with' if entry.static_router is not None else 'without'} router logits"
+            )
+        for given, static in ((hidden, entry.static_in), (router, entry.static_router)):
+            if given is not None and static is not None and given.data_ptr() != static.data_ptr():
+                static.copy_(given)
         entry.graph.replay()
         self.replays += 1
         return entry.static_out
 
     def _capture(
-        self, slot: tuple[Key, int, int], layer: int, hidden: torch.Tensor
+        self, slot: tuple[Key, int, int], layer: int, inputs: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
-        static_in = hidden
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward_layer(layer, static_in)  # warm-up: lazy inits stay out of the graph
+            self.forward_layer(layer, *inputs)  # warm-up: lazy inits stay out of the graph
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static_out = self.forward_layer(layer, static_in)
+            static_out = self.forward_layer(layer, *inputs)
         self._pool = graph.pool()
-        self._graphs[slot] = _Graph(graph, static_in, static_out)
+        router = inputs[1] if len(inputs) > 1 else None
+        self._graphs[slot] = _Graph(graph, inputs[0], static_out, router)
         self.captures += 1
         graph.replay()
         return static_out

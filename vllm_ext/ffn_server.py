@@ -29,6 +29,7 @@ from afd_ctl.payloads import stage_counts
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
 from vllm_ext.ffn_graphs import FfnGraphRunner
+from vllm_ext.model_split import router_columns
 
 log = logging.getLogger("vllm_ext.ffn_server")
 
@@ -46,6 +47,8 @@ class FfnWorker:
         self.afd = afd
         self.worker_id = afd.worker_id or f"ffn-{afd.ffn_rank}-{os.getpid()}"
         self.engine = FfnEngine(vllm_config, finalize=False)
+        if afd.gate == "attention":
+            self.engine.stack.use_given_router_logits()
         # CUDA graphs per the payload's capture/replay flags, on GPU unless enforce_eager.
         self.graphs = FfnGraphRunner(
             self.engine.forward_layer,
@@ -97,6 +100,7 @@ class FfnWorker:
             hidden_size=hf.hidden_size,
             max_tokens=afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens,
             timeout_s=afd.step_timeout_s,
+            router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
         )
         spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
         self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
@@ -205,9 +209,9 @@ class FfnWorker:
             for layer in range(self.engine.num_layers):
                 for stage in sorted(stages):
                     t0 = time.perf_counter()
-                    x = exchange.recv(layer, stage)
+                    x, router = exchange.recv(layer, stage)
                     t1 = time.perf_counter()
-                    out = self.graphs.run(layer, stage, x)
+                    out = self.graphs.run(layer, stage, x, router)
                     t2 = time.perf_counter()
                     exchange.send(layer, stage, out)
                     recv_s += t1 - t0

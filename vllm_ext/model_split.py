@@ -27,45 +27,85 @@ log = logging.getLogger(__name__)
 
 MLP_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
 
-# Set by the attention worker: layer_idx, hidden_states -> FFN output of the same shape.
-_exchange: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+MLP_GATE_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.gate\.weight$")
+
+# Set by the attention worker: layer_idx, hidden_states, router logits or None -> FFN output
+# of the same shape as hidden_states.
+Exchange = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+_exchange: Exchange | None = None
 
 
-def set_exchange(fn: Callable[[int, torch.Tensor], torch.Tensor] | None) -> None:
+def set_exchange(fn: Exchange | None) -> None:
     global _exchange
     _exchange = fn
 
 
 @torch.library.custom_op("afd::ffn_exchange", mutates_args=())
-def ffn_exchange(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    """Sends one layer's FFN input to the FFN side and returns its output."""
+def ffn_exchange(
+    hidden_states: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sends one layer's FFN input (and, with the gate on the attention side, its router
+    logits) to the FFN side and returns its output."""
     if _exchange is None:
         raise RuntimeError(
             "afd: an AFD attention model ran without an attention session (vllm_ext bug)"
         )
-    return _exchange(layer_idx, hidden_states)
+    return _exchange(layer_idx, hidden_states, router_logits)
 
 
 @ffn_exchange.register_fake
-def _ffn_exchange_fake(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def _ffn_exchange_fake(
+    hidden_states: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None
+) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
 class AfdFfnProxy(nn.Module):
-    """Stands where a decoder layer's MLP or MoE was; holds no parameters."""
+    """Stands where a decoder layer's MLP or MoE was. Holds no parameters, except the MoE
+    router gate when it runs on the attention side (`gate`: vLLM's own GateLinear)."""
 
-    def __init__(self, layer_idx: int, kind: str) -> None:
+    def __init__(self, layer_idx: int, kind: str, gate: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.kind = kind
+        self.gate = gate
 
     def forward(
         self, hidden_states: torch.Tensor, already_sequence_parallel: bool = False
     ) -> torch.Tensor:
-        return torch.ops.afd.ffn_exchange(hidden_states, self.layer_idx)
+        logits = self.gate(hidden_states)[0] if self.gate is not None else None
+        return torch.ops.afd.ffn_exchange(hidden_states, self.layer_idx, logits)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_idx}, remote={self.kind}"
+        gate = ", gate here" if self.gate is not None else ""
+        return f"layer={self.layer_idx}, remote={self.kind}{gate}"
+
+
+def router_columns(hf_config: Any, model_dtype: torch.dtype, gate: str) -> tuple[int, str]:
+    """(router_width, router_dtype) of the data plane: the router logits' columns when the
+    gate runs on the attention side, else none. vLLM's gate computes in the model's dtype
+    unless the config asks for float32 routing."""
+    if gate != "attention":
+        return 0, "float32"
+    from vllm.model_executor.models.deepseek_v2 import _get_moe_router_dtype
+
+    if getattr(hf_config, "n_routed_experts", None) is None:
+        raise ValueError("afd gate=attention needs a MoE model (n_routed_experts is not set)")
+    dtype = _get_moe_router_dtype(hf_config) or model_dtype
+    return int(hf_config.n_routed_experts), str(dtype).removeprefix("torch.")
+
+
+def _attention_gate(config: Any, prefix: str) -> nn.Module:
+    """The MoE layer's router gate, built as DeepseekV2MoE builds it."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    from vllm.model_executor.models.deepseek_v2 import _get_moe_router_dtype
+
+    return GateLinear(
+        config.hidden_size,
+        config.n_routed_experts,
+        out_dtype=_get_moe_router_dtype(config),
+        prefix=f"{prefix}.gate",
+    )
 
 
 def _layer_idx(prefix: str) -> int:
@@ -76,8 +116,9 @@ def _layer_idx(prefix: str) -> int:
 
 
 @contextlib.contextmanager
-def attention_split() -> Iterator[None]:
-    """Construction and loading window for the attention role (restored in `finally`)."""
+def attention_split(gate_here: bool = False) -> Iterator[None]:
+    """Construction and loading window for the attention role (restored in `finally`).
+    `gate_here`: the MoE proxies hold the router gate and its weights are loaded."""
     from vllm.model_executor.models import deepseek_v2 as dsv2
 
     layer_cls = dsv2.DeepseekV2DecoderLayer
@@ -85,8 +126,9 @@ def attention_split() -> Iterator[None]:
     original_load = dsv2.DeepseekV2Model.load_weights
     moe_cls, mlp_cls = dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP
 
-    def proxy_moe(*, prefix: str = "", **_: Any) -> AfdFfnProxy:
-        return AfdFfnProxy(_layer_idx(prefix), "moe")
+    def proxy_moe(*, prefix: str = "", config: Any = None, **_: Any) -> AfdFfnProxy:
+        gate = _attention_gate(config, prefix) if gate_here else None
+        return AfdFfnProxy(_layer_idx(prefix), "moe", gate)
 
     def proxy_mlp(*, prefix: str = "", **_: Any) -> AfdFfnProxy:
         return AfdFfnProxy(_layer_idx(prefix), "mlp")
@@ -101,7 +143,11 @@ def attention_split() -> Iterator[None]:
             dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP = moe_cls, mlp_cls
 
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        kept = ((n, w) for n, w in weights if not MLP_WEIGHT.search(n))
+        kept = (
+            (n, w)
+            for n, w in weights
+            if not MLP_WEIGHT.search(n) or (gate_here and MLP_GATE_WEIGHT.search(n))
+        )
         return original_load(self, kept)
 
     layer_cls.__init__ = layer_init  # type: ignore[method-assign]
@@ -167,6 +213,8 @@ class FfnStack(nn.Module):
             layers.append(_LayerHolder(mlp))
             self.is_moe.append(is_moe)
         self.layers = nn.ModuleList(layers)
+        # Router logits per layer for this call when the gate runs on the attention side.
+        self._given: dict[int, torch.Tensor] | None = None
         # What DeepseekV2Model.load_weights reads from `self`.
         self.use_mha = False
         self.num_redundant_experts = vllm_config.parallel_config.eplb_config.num_redundant_experts
@@ -181,12 +229,46 @@ class FfnStack(nn.Module):
         mine = ((name.removeprefix("model."), w) for name, w in weights if MLP_WEIGHT.search(name))
         return dsv2.DeepseekV2Model.load_weights(self, mine)  # type: ignore[arg-type]
 
-    def forward_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    def use_given_router_logits(self) -> None:
+        """The gate runs on the attention side: every MoE layer's gate returns the logits
+        passed to forward_layer instead of computing them (vLLM's MoE runner calls the very
+        gate module the layer holds, so its forward is replaced on the instance)."""
+        self._given = {}
+        for i, holder in enumerate(self.layers):
+            if self.is_moe[i]:
+                holder.mlp.gate.forward = _GivenLogits(self._given, i)
+
+    def forward_layer(
+        self, layer_idx: int, hidden_states: torch.Tensor, router: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self._given is not None and self.is_moe[layer_idx]:
+            if router is None:
+                raise RuntimeError(
+                    f"afd ffn: gate=attention but layer {layer_idx} came without router logits"
+                )
+            self._given[layer_idx] = router
         out = self.layers[layer_idx].mlp(hidden_states)
         if not self.is_moe[layer_idx] and out.dtype == torch.float16:
             # What DeepseekV2DecoderLayer.forward does after a dense MLP in fp16.
             out = out * (1.0 / self.routed_scaling_factor)
         return out
+
+
+class _GivenLogits:
+    """A MoE gate's forward on the FFN side when the attention side computed the logits."""
+
+    def __init__(self, given: dict[int, torch.Tensor], layer_idx: int) -> None:
+        self.given = given
+        self.layer_idx = layer_idx
+
+    def __call__(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits = self.given.pop(self.layer_idx, None)
+        if logits is None or logits.shape[0] != hidden_states.shape[0]:
+            raise RuntimeError(
+                f"afd ffn: layer {self.layer_idx} has no router logits for its "
+                f"{hidden_states.shape[0]} rows"
+            )
+        return logits, None
 
 
 def load_ffn_stack(vllm_config: Any) -> FfnStack:
