@@ -58,6 +58,8 @@ PERMANENT_CODES = {
 }
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+# close(reason=...) waits this long for the daemon to take the `leave` before hanging up.
+LEAVE_WAIT_S = 1.0
 Kind = afd_pb2.MembershipEvent.Kind
 EventListener = Callable[[afd_pb2.MembershipEvent], None]
 
@@ -106,6 +108,8 @@ class ControllerClient:
         self._acknowledged_epoch = 0
         self._closing = False
         self._session_call: grpc.Call | None = None
+        self._session_hung_up: threading.Event | None = None
+        self._leave_reason = ""
         self._session_thread: threading.Thread | None = None
         # Publishing (attention senders):
         self._rejections: deque[AfdRejected] = deque()
@@ -241,10 +245,11 @@ class ControllerClient:
             with self._cond:
                 if self._closing or self._stopped is not None:
                     return
-                call = self._stub.Session(
-                    _session_requests(register, hung_up, self._beat_s), metadata=self._metadata
+                requests = _session_requests(
+                    register, hung_up, self._beat_s, lambda: self._leave_reason
                 )
-                self._session_call = call
+                call = self._stub.Session(requests, metadata=self._metadata)
+                self._session_call, self._session_hung_up = call, hung_up
             watchdog = _Watchdog(call, self.liveness_timeout_s)
             registered_here = False
             error: grpc.RpcError | None = None
@@ -453,6 +458,15 @@ class ControllerClient:
                 log.warning("publish stream ended: %s: %s", exc.code().name, exc.details())
                 if exc.code() in PERMANENT_CODES:
                     self._rejections.append(AfdRejected(exc.code().name, exc.details() or ""))
+                elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The daemon went away; the session thread may not have noticed yet.
+                    with self._cond:
+                        if self._unreachable is None and not self._closing:
+                            self._unreachable = AfdControllerUnreachable(
+                                f"afd-ctl at {self.target} unreachable (UNAVAILABLE: "
+                                f"{exc.details()}); retrying in the background"
+                            )
+                            self._cond.notify_all()
         with self._publish_lock:
             if self._publish_queue is requests:
                 self._publish_queue = None
@@ -479,15 +493,24 @@ class ControllerClient:
             raise self._rejections.popleft()
 
     # -- shutdown ------------------------------------------------------------------------
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Ends the session (the daemon sees this worker leave) and the publish stream."""
+    def close(self, timeout_s: float = 2.0, *, reason: str = "") -> None:
+        """Ends the session (the daemon sees this worker leave) and the publish stream.
+
+        With a `reason` ("RuntimeError: ...", "stop received") the daemon is told why first,
+        and every peer's PEER_LOST event says "left: <reason>"."""
         with self._cond:
             self._closing = True
-            call = self._session_call
+            self._leave_reason = reason
+            call, hung_up = self._session_call, self._session_hung_up
             self._cond.notify_all()
         with self._publish_lock:
             if self._publish_queue is not None:
                 self._publish_queue.put(None)
+        if call is not None and reason and hung_up is not None and not call.done():  # type: ignore[attr-defined]
+            hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
+            deadline = time.monotonic() + min(timeout_s, LEAVE_WAIT_S)
+            while not call.done() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                time.sleep(0.01)
         if call is not None:
             call.cancel()  # type: ignore[attr-defined]
         if self._session_thread is not None:
@@ -502,11 +525,23 @@ class ControllerClient:
 
 
 def _session_requests(
-    register: afd_pb2.RegisterRequest, hung_up: threading.Event, beat_s: float
+    register: afd_pb2.RegisterRequest,
+    hung_up: threading.Event,
+    beat_s: float,
+    leaving: Callable[[], str],
 ) -> Iterator[afd_pb2.SessionRequest]:
+    """register, heartbeats until hung up, and `leave` (then half-close) once the worker
+    closes with a reason."""
     yield afd_pb2.SessionRequest(register=register)
     heartbeat = afd_pb2.SessionRequest(heartbeat=afd_pb2.Heartbeat())
-    while not hung_up.wait(beat_s):
+    while True:
+        hung = hung_up.wait(beat_s)
+        reason = leaving()
+        if reason:
+            yield afd_pb2.SessionRequest(leave=afd_pb2.Leave(reason=reason))
+            return
+        if hung:
+            return
         yield heartbeat
 
 

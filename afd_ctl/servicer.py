@@ -22,6 +22,8 @@ from afd_ctl.wire import PROTO_TO_ROLE, WORKER_ID_METADATA
 log = logging.getLogger(__name__)
 
 SESSION_CLOSED = "session closed by the worker (exited, killed or hung up)"
+# A leave reason is kept to this many characters (it travels in every PEER_LOST event).
+MAX_LEAVE_REASON = 2000
 HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
 
 
@@ -53,14 +55,17 @@ class RateLimitedLog:
 
 
 class Heard:
-    """When a worker's session last said anything."""
+    """When a worker's session last said anything, and why it left, if it said so."""
 
     def __init__(self) -> None:
         self.at = time.monotonic()
+        self.left = ""
 
     async def follow(self, requests: AsyncIterator[afd_pb2.SessionRequest]) -> None:
-        async for _ in requests:
+        async for request in requests:
             self.at = time.monotonic()
+            if request.WhichOneof("message") == "leave":
+                self.left = request.leave.reason[:MAX_LEAVE_REASON] or "no reason given"
 
 
 class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
@@ -114,6 +119,8 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
                         await context.abort(status_code(closed.code), closed.message)
                     return
                 if reader.done():
+                    if heard.left:
+                        reason = f"left: {heard.left}"
                     return
                 if time.monotonic() - heard.at > liveness_s:
                     reason = f"no heartbeat for {liveness_s} s (worker frozen or network down)"

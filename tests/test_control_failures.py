@@ -200,8 +200,16 @@ def test_daemon_killed_and_restarted_clients_reconnect_under_a_new_epoch(start_d
         with pytest.raises(AfdControllerUnreachable, match="unreachable"):
             ffn.next_payload(LIVENESS_S + SLACK_S)
         assert time.monotonic() - killed_at <= LIVENESS_S + SLACK_S
-        with pytest.raises(AfdControllerUnreachable):
-            attn.publish(make_payload(6, 1, 1))
+        # The attention client shares the dead connection; its threads notice within moments
+        # (publish only queues, so it reports what the client already knows).
+        deadline = time.monotonic() + SLACK_S
+        while True:
+            try:
+                attn.publish(make_payload(6, 1, 1))
+            except AfdControllerUnreachable:
+                break
+            assert time.monotonic() < deadline, "publish accepted 1 s after the daemon died"
+            time.sleep(0.01)
         with pytest.raises(AfdControllerUnreachable):  # still down: fails at once, no hang
             ffn.next_payload(30)
 
@@ -232,3 +240,24 @@ def test_stop_from_the_cli_reaches_workers(start_daemon, tmp_path):
     finally:
         ffn.close()
         attn.close()
+
+
+def test_a_worker_that_leaves_with_a_reason_tells_its_peers(start_daemon):
+    """A failing worker closes with its error: every peer's PEER_LOST event carries it at once
+    (not a bare "session closed"), and so does the daemon's log."""
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    attention = client(daemon, "att-0", ATTENTION)
+    ffn = client(daemon, "ffn-0", FFN)
+    try:
+        watcher = Watcher(attention)
+        attention.wait_complete(10)
+        start = time.monotonic()
+        ffn.close(reason="RuntimeError: expert weights missing for layer 3")
+        when, event = watcher.wait(Kind.PEER_LOST, timeout=5)
+        assert when - start < 2.0
+        assert event.worker.worker_id == "ffn-0"
+        assert event.reason == "left: RuntimeError: expert weights missing for layer 3"
+        daemon.wait_for("expert weights missing", 5)
+    finally:
+        attention.close()
+        ffn.close()

@@ -150,7 +150,7 @@ class AttentionSession:
                     log.info("afd attention %s: sent stop at step %d", self.worker_id, self.step_id)
             except Exception as exc:  # shutting down: report, never raise
                 log.warning("afd attention %s: stop not delivered: %s", self.worker_id, exc)
-            client.close()
+            client.close(reason="attention server shutting down")
         if exchange is not None:
             try:
                 exchange.close()

@@ -61,6 +61,8 @@ class FfnWorker:
         # which a long profile or prefill step does not skew).
         self._recent: deque[tuple[float, float, float]] = deque(maxlen=STAT_WINDOW)
         self._stop = threading.Event()
+        # Told to afd-ctl when this server leaves (its peers' PEER_LOST says "left: ...").
+        self._leave_reason = "ffn server exiting"
         self._client: Any = None
         self._exchange: FfnExchange | None = None
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
@@ -68,6 +70,7 @@ class FfnWorker:
 
     def request_stop(self, reason: str) -> None:
         log.info("afd ffn %s: stop requested (%s)", self.worker_id, reason)
+        self._leave_reason = f"ffn server stopping ({reason})"
         self._stop.set()
 
     def run(self) -> int:
@@ -129,6 +132,7 @@ class FfnWorker:
                     log.info(
                         "afd ffn %s: %s; exiting after %d steps", self.worker_id, exc, self.steps
                     )
+                    self._leave_reason = f"ffn server exiting: {exc}"
                     return 0
                 except (AfdPeerLost, AfdNotReady) as exc:
                     # From the daemon or from the data plane (which may see a death first):
@@ -150,9 +154,12 @@ class FfnWorker:
                     time.sleep(POLL_S)
                     continue
             return 0
-        except Exception:
+        except Exception as exc:
             log.exception(
                 "afd ffn %s: failed at step %d; leaving afd-ctl", self.worker_id, self.steps
+            )
+            self._leave_reason = (
+                f"ffn server failed at step {self.steps}: {type(exc).__name__}: {exc}"
             )
             return 1
         finally:
@@ -176,7 +183,7 @@ class FfnWorker:
         client, self._client = self._client, None
         exchange, self._exchange = self._exchange, None
         if client is not None:
-            client.close()
+            client.close(reason=self._leave_reason)
         if exchange is not None:
             try:
                 exchange.close()

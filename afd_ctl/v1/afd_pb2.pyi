@@ -168,12 +168,20 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("register", "heartbeat")
+    __slots__ = ("register", "heartbeat", "leave")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     register: RegisterRequest
     heartbeat: Heartbeat
-    def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    leave: Leave
+    def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+
+class Leave(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class SessionMessage(_message.Message):
     __slots__ = ("registered", "payload", "event", "heartbeat")
