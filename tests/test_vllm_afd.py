@@ -102,6 +102,67 @@ def test_afd_1_attention_1_ffn_matches_colocated(
 
 
 @pytest.mark.timeout(600)
+def test_attention_tp2_to_one_ffn_matches_colocated(
+    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """Attention TP=2 : 1 FFN. Each TP rank is an attention role rank of its own (2 expected),
+    exchanges its replicated rows itself, and only TP rank 0 publishes; the FFN server is told
+    the attention TP size (AFD_ATTENTION_TP_SIZE)."""
+    model = tiny_models[2]
+    tp = ["--tensor-parallel-size", "2"]
+    colocated = Proc(
+        offline_argv(model, "--max-tokens", str(MAX_TOKENS), *tp),
+        tmp_path / "colocated-tp2.log",
+        vllm_env(in_process=True),
+    )
+    procs.append(colocated)
+    reference = colocated.json_report(timeout=300)
+    colocated.stop()
+    daemon = start_daemon("--expect-attention", "2", "--expect-ffn", "1")
+    ffn = Proc(
+        ffn_argv(model, daemon.address),
+        tmp_path / "ffn.log",
+        vllm_env({"AFD_ATTENTION_TP_SIZE": "2"}),
+    )
+    procs.append(ffn)
+    attention = Proc(
+        offline_argv(
+            model, "--max-tokens", str(MAX_TOKENS), *tp, "--afd-controller", daemon.address
+        ),
+        tmp_path / "attention.log",
+        vllm_env(in_process=True),
+    )
+    procs.append(attention)
+    report = attention.json_report(timeout=300)
+    assert_same_generation(report, reference)
+    log = attention.log()
+    assert "attention-dp0-tp0" in log and "attention-dp0-tp1" in log, attention.tail()
+    assert ffn.wait(30) == 0, ffn.tail()
+
+
+@pytest.mark.timeout(600)
+def test_ffn_not_told_the_attention_tp_size_fails_clearly(
+    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """Attention TP=2 against an FFN server left at attention_tp_size=1: both sides refuse to
+    connect and say which setting differs, instead of exchanging misplaced rows."""
+    model = tiny_models[2]
+    daemon = start_daemon("--expect-attention", "2", "--expect-ffn", "1")
+    ffn = Proc(ffn_argv(model, daemon.address), tmp_path / "ffn.log", vllm_env())
+    procs.append(ffn)
+    attention = Proc(
+        offline_argv(model, "--tensor-parallel-size", "2", "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env(in_process=True),
+    )
+    procs.append(attention)
+    assert attention.wait(240) != 0
+    assert ffn.wait(60) != 0
+    for proc in (attention, ffn):
+        assert "attention_tp_size" in proc.log() and "--tensor-parallel-size" in proc.log()
+
+
+@pytest.mark.timeout(600)
 def test_router_gate_on_the_attention_side_matches_colocated(
     tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:

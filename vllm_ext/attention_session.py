@@ -52,13 +52,12 @@ class AttentionSession:
         self.afd = afd
         self.dp_rank: int = parallel.data_parallel_rank
         self.dp_size: int = parallel.data_parallel_size
-        self.tp_rank: int = 0
         self.tp_size: int = parallel.tensor_parallel_size
-        if self.tp_size != 1:
-            raise NotImplementedError("AFD attention with --tensor-parallel-size > 1")
-        self.worker_id = afd.worker_id or f"attention-dp{self.dp_rank}"
-        if afd.worker_id and self.dp_size > 1:
-            self.worker_id = f"{afd.worker_id}-dp{self.dp_rank}"
+        # Attention TP: every TP rank is its own attention role rank (dp_rank * tp + tp_rank)
+        # and exchanges its (replicated) rows itself, so no broadcast inside the TP group.
+        self.tp_rank: int = _tp_rank() if self.tp_size > 1 else 0
+        self.worker_id = _worker_id(afd.worker_id, self.dp_rank, self.dp_size, self.tp_rank,
+                                    self.tp_size)  # fmt: skip
         self.step_id = 0
         hf = vllm_config.model_config.hf_config
         self.num_layers: int = hf.num_hidden_layers
@@ -99,6 +98,7 @@ class AttentionSession:
             max_tokens=max_tokens,
             timeout_s=afd.step_timeout_s,
             router=model_split.router_columns(model_config.hf_config, model_config.dtype, afd.gate),
+            attention_tp_size=self.tp_size,
         )
         spec = WorkerSpec(
             worker_id=self.worker_id,
@@ -286,6 +286,22 @@ class AttentionSession:
             with _step_failures(self._shape.step_id):
                 self._exchange.end_step()
         self._shape = None
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _worker_id(base: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int) -> str:
+    """ "attention-dp0" by default; a given id gets -dp<r> / -tp<r> when there are several."""
+    worker_id = base or f"attention-dp{dp_rank}"
+    if base and dp_size > 1:
+        worker_id += f"-dp{dp_rank}"
+    if tp_size > 1:
+        worker_id += f"-tp{tp_rank}"
+    return worker_id
 
 
 @contextlib.contextmanager

@@ -42,6 +42,9 @@ class AfdConfig:
     # side computes the router logits and sends them with the hidden states). Both roles must
     # say the same; the data plane refuses peers that disagree.
     gate: str = "ffn"
+    # FFN role: the attention servers' --tensor-parallel-size (each attention TP rank is its
+    # own peer). The attention role takes it from vLLM.
+    attention_tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -56,6 +59,8 @@ class AfdConfig:
             raise ValueError(f"afd max_tokens must be >= 0, got {self.max_tokens}")
         if self.gate not in GATE_SIDES:
             raise ValueError(f"afd gate must be one of {GATE_SIDES}, got {self.gate!r}")
+        if self.attention_tp_size < 1:
+            raise ValueError(f"afd attention_tp_size must be >= 1, got {self.attention_tp_size}")
         if self.ffn_rank < 0:
             raise ValueError(f"afd ffn_rank must be >= 0, got {self.ffn_rank}")
         if self.profile_steps < 1 or self.profile_start_step < 0:

@@ -65,7 +65,7 @@ def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
 
 def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: int,
                hidden_size: int, dtype: torch.dtype, max_tokens: int, timeout_s: float,
-               router: tuple[int, str]) -> Any:  # fmt: skip
+               router: tuple[int, str], attention_tp_size: int = 1) -> Any:  # fmt: skip
     from afd_data import NixlTransport, TransportConfig
 
     # AFD_DATA_<FIELD> environment variables tune the rest (polling, bounds, progress thread).
@@ -78,8 +78,27 @@ def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: 
         recv_timeout_s=timeout_s,
         router_width=router[0],
         router_dtype=router[1],
+        attention_tp_size=attention_tp_size,
     )
     return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config)
+
+
+def _connect(transport: Any, view: Any) -> None:
+    """Connects to the view's peers; a shape mismatch names the vLLM/AFD settings behind it."""
+    from afd_data.errors import AfdBadInput
+    from afd_data.rendezvous import peers_from_view
+
+    try:
+        transport.reconnect(view.epoch, peers_from_view(view))
+    except AfdBadInput as exc:
+        if "buffer shape differs" not in str(exc):
+            raise
+        raise AfdBadInput(
+            f"{exc}. With vLLM these follow from settings both roles must share: --dtype, the "
+            "model (hidden size, experts), afd max_tokens (or --max-num-batched-tokens), afd "
+            "gate, and on the FFN servers afd attention_tp_size = the attention servers' "
+            "--tensor-parallel-size"
+        ) from None
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -106,9 +125,7 @@ class AttentionExchange:
         return self.transport.blob()
 
     def connect(self, view: Any) -> None:
-        from afd_data.rendezvous import peers_from_view
-
-        self.transport.reconnect(view.epoch, peers_from_view(view))
+        _connect(self.transport, view)
 
     def begin_step(self, shape: StepShape) -> None:
         self.transport.begin_step(shape.step_id, shape.per_stage())
@@ -159,9 +176,7 @@ class FfnExchange:
         return self.transport.blob()
 
     def connect(self, view: Any) -> None:
-        from afd_data.rendezvous import peers_from_view
-
-        self.transport.reconnect(view.epoch, peers_from_view(view))
+        _connect(self.transport, view)
 
     def begin_step(self, shape: StepShape) -> None:
         self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)

@@ -104,6 +104,7 @@ class FfnWorker:
             max_tokens=afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens,
             timeout_s=afd.step_timeout_s,
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
+            attention_tp_size=afd.attention_tp_size,
         )
         spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
         self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())

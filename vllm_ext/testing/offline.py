@@ -153,8 +153,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     kwargs: dict[str, Any] = {}
+    if args.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.afd_controller:
         kwargs["additional_config"] = {
             "afd": {"role": "attention", "controller": args.afd_controller}
