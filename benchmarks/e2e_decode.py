@@ -12,6 +12,11 @@ Where the added time goes, per decode step:
   attention compute).
 - `afd_exchange_overhead_ms_per_step` = AFD round trip - FFN compute: transfers, notifications,
   copies into registered memory and the custom-op call, i.e. what AFD adds per step.
+- Per layer (`*_us_per_layer`): the attention side staging and posting its rows
+  (`attention_post`), the FFN compute and the FFN staging and posting the outputs
+  (`ffn_post`), and what is left of the attention side's wait: the two notifications' flight
+  and the polling that sees them (`hops`). `colocated_mlp_us_per_layer` is the same layer's
+  MLP/MoE inside the colocated run.
 
     python benchmarks/e2e_decode.py [--quick]
 
@@ -52,6 +57,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="afd-e2e-") as tmp:
         out = Path(tmp)
         model = build_tiny_deepseek(out / "model", version=args.version)
+        layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
         bench = [
             "--bench-decode", str(args.tokens), "--repeats", str(args.repeats),
             "--batch", str(args.batch),
@@ -83,6 +89,8 @@ def main() -> None:
             for p in (attention, ffn, daemon):
                 p.stop()
 
+    exchange = afd.get("afd_exchange", {})
+    ffn_send = float(ffn_stats.get("send_ms_median", 0.0))
     # Medians over the FFN server's last 1000 steps: a typical decode step (the means also
     # count the memory-profiling run and the prefills).
     ffn_compute = float(ffn_stats.get("compute_ms_median", 0.0))
@@ -103,6 +111,13 @@ def main() -> None:
         "ffn_send_ms_per_step": round(float(ffn_stats.get("send_ms_median", 0)), 3),
         "afd_exchange_overhead_ms_per_step": round(afd["mlp_ms_per_step"] - ffn_compute, 3),
         "ffn_steps_served": ffn_stats.get("steps"),
+        "colocated_mlp_us_per_layer": round(1e3 * colo["mlp_ms_per_step"] / layers, 1),
+        "attention_post_us_per_layer": round(exchange.get("post_us_per_layer", 0.0), 1),
+        "ffn_compute_us_per_layer": round(1e3 * ffn_compute / layers, 1),
+        "ffn_post_us_per_layer": round(1e3 * ffn_send / layers, 1),
+        "hops_us_per_layer": round(
+            exchange.get("wait_us_per_layer", 0.0) - 1e3 * (ffn_compute + ffn_send) / layers, 1
+        ),
         "wall_s": round(time.monotonic() - started, 1),
     }
     print(json.dumps(result), flush=True)

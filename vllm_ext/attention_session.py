@@ -133,6 +133,10 @@ class AttentionSession:
         if afd.profile_dir:
             self._profiler = _StepProfiler(afd, f"attention-{self.dp_rank}")
 
+    def stats(self) -> dict[str, float]:
+        """The data plane's per-layer split on this rank (see AttentionExchange.stats)."""
+        return self._exchange.stats() if self._exchange is not None else {}
+
     def close(self) -> None:
         """Publishes stop (sender only), then leaves the daemon; idempotent."""
         with self._lock:

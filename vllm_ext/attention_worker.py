@@ -128,6 +128,12 @@ class AfdAttentionWorker(_BaseWorker):  # type: ignore[misc,valid-type]
 
         return _runner_cls(GPUModelRunner)(self.vllm_config, self.device)
 
+    def afd_stats(self) -> dict[str, float]:
+        """This rank's exchange split; `LLM.collective_rpc("afd_stats")` gathers it."""
+        runner = getattr(self, "model_runner", None)
+        session = getattr(runner, "_afd_session", None)
+        return session.stats() if session is not None else {}
+
     def afd_stop(self) -> None:
         """Publishes stop and leaves afd-ctl (idempotent); vLLM's engine core calls it first."""
         runner = getattr(self, "model_runner", None)

@@ -120,6 +120,18 @@ class AttentionExchange:
         self.dtype = dtype
         self.router_dtype = _torch_dtype(router[1])
         self.transport = _transport(name, "attention", rank, dtype=dtype, router=router, **sizes)
+        # Seconds spent staging and posting hidden states, and waiting for the outputs, over
+        # `exchanges` layer exchanges (where a step's AFD time goes; see stats()).
+        self.post_s = self.wait_s = 0.0
+        self.exchanges = 0
+
+    def stats(self) -> dict[str, float]:
+        n = max(1, self.exchanges)
+        return {
+            "exchanges": self.exchanges,
+            "post_us_per_layer": 1e6 * self.post_s / n,
+            "wait_us_per_layer": 1e6 * self.wait_s / n,
+        }
 
     def blob(self) -> bytes:
         return self.transport.blob()
@@ -139,6 +151,7 @@ class AttentionExchange:
     ) -> torch.Tensor:
         """`router_logits`: with the gate on the attention side, this MoE layer's logits (a
         dense layer sends zeros in those columns)."""
+        t0 = time.perf_counter()
         n = hidden_states.shape[0]
         staged, staged_router = self.transport.hidden_buffer(layer, stage)
         _tensor(staged, self.dtype)[:n].copy_(hidden_states.reshape(n, -1))
@@ -151,7 +164,11 @@ class AttentionExchange:
         elif router_logits is not None:
             raise RuntimeError("afd: router logits given but the data plane carries none")
         self.transport.send_hidden(layer, stage, staged, staged_router)
+        t1 = time.perf_counter()
         outputs = self.transport.recv_outputs(layer, stage)
+        self.post_s += t1 - t0
+        self.wait_s += time.perf_counter() - t1
+        self.exchanges += 1
         out = _tensor(outputs[0], self.dtype)[:n].clone()
         for extra in outputs[1:]:  # expert-parallel FFN ranks: partial sums
             out.add_(_tensor(extra, self.dtype)[:n])

@@ -134,11 +134,14 @@ def bench_decode(
         if best is None or tpot < best[0]:
             best = (tpot, mlp)
     assert best is not None
-    return {
+    report = {
         "tpot_ms": best[0] * 1e3,
         "mlp_ms_per_step": best[1] * 1e3,
         "token_ids": tokens,
     }
+    if llm_kwargs.get("additional_config"):  # AFD: the exchange's own split, rank 0
+        report["afd_exchange"] = llm.collective_rpc("afd_stats")[0]
+    return report
 
 
 def main() -> None:
