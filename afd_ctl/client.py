@@ -110,6 +110,7 @@ class ControllerClient:
         self._session_call: grpc.Call | None = None
         self._session_hung_up: threading.Event | None = None
         self._leave_reason = ""
+        self._rejoining = ""
         self._session_thread: threading.Thread | None = None
         # Publishing (attention senders):
         self._rejections: deque[AfdRejected] = deque()
@@ -246,7 +247,7 @@ class ControllerClient:
                 if self._closing or self._stopped is not None:
                     return
                 requests = _session_requests(
-                    register, hung_up, self._beat_s, lambda: self._leave_reason
+                    register, hung_up, self._beat_s, lambda: self._leave_reason or self._rejoining
                 )
                 call = self._stub.Session(requests, metadata=self._metadata)
                 self._session_call, self._session_hung_up = call, hung_up
@@ -267,6 +268,11 @@ class ControllerClient:
             with self._cond:
                 if self._closing or self._stopped is not None:
                     return
+                if self._rejoining:
+                    log.info("re-registering with afd-ctl (%s)", self._rejoining)
+                    self._rejoining = ""
+                    backoff = BACKOFF_MIN_S
+                    continue
                 code = error.code() if error is not None else grpc.StatusCode.OK
                 details = error.details() if error is not None else "stream ended"
                 if watchdog.fired:
@@ -493,6 +499,23 @@ class ControllerClient:
             raise self._rejections.popleft()
 
     # -- shutdown ------------------------------------------------------------------------
+    def rejoin(self, reason: str, timeout_s: float = LEAVE_WAIT_S) -> None:
+        """Leaves (saying why) and registers again under the same identity, so afd-ctl moves
+        every peer to a new epoch. For a worker whose data plane is stuck while afd-ctl still
+        sees everyone alive (a wait that timed out with no membership change): the new epoch
+        makes every peer drop the step and reconnect. Returns once the old session ended."""
+        with self._cond:
+            call, hung_up = self._session_call, self._session_hung_up
+            if call is None or hung_up is None or self._closing:
+                return
+            self._rejoining = f"rejoining: {reason}"
+        log.warning("leaving afd-ctl to rejoin in a new epoch: %s", reason)
+        hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
+        deadline = time.monotonic() + timeout_s
+        while not call.done() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        call.cancel()  # type: ignore[attr-defined]
+
     def close(self, timeout_s: float = 2.0, *, reason: str = "") -> None:
         """Ends the session (the daemon sees this worker leave) and the publish stream.
 

@@ -261,3 +261,24 @@ def test_a_worker_that_leaves_with_a_reason_tells_its_peers(start_daemon):
     finally:
         attention.close()
         ffn.close()
+
+
+def test_rejoin_moves_every_peer_to_a_new_epoch(start_daemon):
+    """A worker stuck on its data plane while afd-ctl sees everyone alive rejoins: its peers
+    get PEER_LOST saying why, then a complete view in a newer epoch, and so does it."""
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    attention = client(daemon, "att-0", ATTENTION)
+    ffn = client(daemon, "ffn-0", FFN)
+    try:
+        watcher = Watcher(attention)
+        old = attention.wait_complete(10)
+        ffn.wait_complete(10)
+        ffn.rejoin("hidden states of step 7 not received within 10 s")
+        _, event = watcher.wait(Kind.PEER_LOST, timeout=5)
+        assert event.reason == "left: rejoining: hidden states of step 7 not received within 10 s"
+        new = attention.wait_complete(10, after_epoch=old.epoch)
+        assert ffn.wait_complete(10, after_epoch=old.epoch).epoch == new.epoch > old.epoch
+        assert ffn.role_rank == 0
+    finally:
+        attention.close()
+        ffn.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,34 @@ def test_router_gate_on_the_attention_side_matches_colocated(
     assert_same_generation(report, reference)
     assert ffn.wait(30) == 0, ffn.tail()
     assert "gate=attention" in attention.log(), attention.tail()
+
+
+@pytest.mark.timeout(600)
+def test_ffn_server_waits_for_a_slow_attention_side(
+    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """An FFN server is a server: it waits for its attention peers past connect_timeout_s (a
+    large model's attention side takes minutes to load), then serves them."""
+    model = tiny_models[2]
+    reference = colocated_reference(model, 2, tmp_path)
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    ffn = Proc(
+        ffn_argv(model, daemon.address),
+        tmp_path / "ffn.log",
+        vllm_env({"AFD_CONNECT_TIMEOUT_S": "2"}),
+    )
+    procs.append(ffn)
+    ffn.wait_for("registered as ffn rank 0", 180)
+    time.sleep(5)  # well past the FFN server's connect_timeout_s
+    assert ffn.popen.poll() is None, ffn.tail()
+    attention = Proc(
+        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env(in_process=True),
+    )
+    procs.append(attention)
+    assert_same_generation(attention.json_report(timeout=300), reference)
+    assert ffn.wait(30) == 0, ffn.tail()
 
 
 @pytest.mark.timeout(600)

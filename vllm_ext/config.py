@@ -24,7 +24,8 @@ class AfdConfig:
     role: str
     # Stable identity for afd-ctl; default "<role>-dp<rank>" (attention) or "ffn-<pid>".
     worker_id: str = ""
-    # Bound on registering and on waiting for the expected set to be complete.
+    # Bound on registering and (attention role) on waiting for the expected set at start-up;
+    # an FFN server waits for its attention peers as long as it runs.
     connect_timeout_s: float = 120.0
     # Bound on one layer's round trip (attention) and on one payload or hidden-state wait (FFN).
     step_timeout_s: float = 10.0

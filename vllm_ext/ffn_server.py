@@ -25,6 +25,13 @@ from typing import Any
 
 import torch
 
+from afd_ctl.errors import (
+    AfdControllerUnreachable,
+    AfdNotReady,
+    AfdPeerLost,
+    AfdStopped,
+    AfdTimeout,
+)
 from afd_ctl.payloads import stage_counts
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
@@ -34,6 +41,10 @@ from vllm_ext.model_split import router_columns
 log = logging.getLogger("vllm_ext.ffn_server")
 
 POLL_S = 0.5
+# Waiting for peers: log this often; after a loss only the data plane saw, rejoin afd-ctl after
+# this long (longer than its liveness bound, so a real death is reported first).
+WAIT_LOG_S = 30.0
+REJOIN_AFTER_S = 5.0
 STAT_WINDOW = 1000
 
 
@@ -75,13 +86,6 @@ class FfnWorker:
 
     def run(self) -> int:
         from afd_ctl.client import ControllerClient, WorkerSpec
-        from afd_ctl.errors import (
-            AfdControllerUnreachable,
-            AfdNotReady,
-            AfdPeerLost,
-            AfdStopped,
-            AfdTimeout,
-        )
         from afd_data.rendezvous import follow_losses
 
         afd = self.afd
@@ -123,7 +127,10 @@ class FfnWorker:
                 shard,
                 shards,
             )
-            self._connect(self._client.wait_complete(timeout_s=afd.connect_timeout_s))
+            view = self._wait_for_peers(after_epoch=0)
+            if view is None:
+                return 0
+            self._connect(view)
             while not self._stop.is_set():
                 try:
                     self.run_step(self._client.next_payload(timeout_s=POLL_S))
@@ -141,14 +148,13 @@ class FfnWorker:
                     log.warning("afd ffn %s: %s", self.worker_id, exc)
                     assert self._exchange is not None
                     try:
-                        view = self._client.wait_complete(
-                            timeout_s=afd.connect_timeout_s,
-                            after_epoch=self._exchange.transport.epoch or 0,
-                        )
-                        self._connect(view)
+                        view = self._wait_for_peers(self._exchange.transport.epoch or 0, exc)
                     except AfdStopped as stopped:
                         log.info("afd ffn %s: %s; exiting", self.worker_id, stopped)
                         return 0
+                    if view is None:
+                        return 0
+                    self._connect(view)
                     continue
                 except AfdControllerUnreachable as exc:
                     log.warning("afd ffn %s: %s", self.worker_id, exc)
@@ -165,6 +171,38 @@ class FfnWorker:
             return 1
         finally:
             self.close()
+
+    def _wait_for_peers(self, after_epoch: int, lost: Exception | None = None) -> Any:
+        """The next complete view newer than `after_epoch`, or None once a stop is requested.
+
+        An FFN server is a server: it waits for its attention peers as long as it runs (they
+        may take many minutes to load a large model), logging every WAIT_LOG_S. After a loss
+        that only the data plane saw (a wait timed out, yet afd-ctl still has everyone in the
+        same epoch), it rejoins afd-ctl after REJOIN_AFTER_S: the new epoch makes every peer
+        drop the stuck step and reconnect, instead of all waiting for each other."""
+        assert self._client is not None
+        started = time.monotonic()
+        next_log = started + WAIT_LOG_S
+        rejoin_at = started + REJOIN_AFTER_S if lost is not None else None
+        while not self._stop.is_set():
+            try:
+                return self._client.wait_complete(timeout_s=POLL_S, after_epoch=after_epoch)
+            except AfdTimeout as exc:
+                now = time.monotonic()
+                if rejoin_at is not None and now >= rejoin_at:
+                    rejoin_at = None
+                    view = self._client.view
+                    if view.complete and view.epoch == after_epoch:
+                        self._client.rejoin(f"ffn rank {self.afd.ffn_rank}: {lost}")
+                if now >= next_log:
+                    next_log = now + WAIT_LOG_S
+                    log.info(
+                        "afd ffn %s: waiting %.0f s so far for the attention side: %s",
+                        self.worker_id,
+                        now - started,
+                        exc,
+                    )
+        return None
 
     def stats(self) -> dict[str, float]:
         n = max(1, self.steps)
