@@ -183,6 +183,11 @@ def serve_cmd(args: argparse.Namespace) -> None:
     merged = merge_afd_flags(getattr(args, "additional_config", None), args)
     afd = AfdConfig.resolve(afd_section(merged))
     if afd is None or afd.role != "ffn":
+        # Folded into args here too: `vllm serve` hands these args to its API server processes
+        # (one per DP rank by default), which load the plugin only inside from_cli_args, too
+        # late for its wrapper, and must still see the afd section (/health, error replies).
+        if merged is not None:
+            args.additional_config = merged
         return _original_serve_cmd(args)
     from vllm_ext.ffn_server import serve_ffn
 
