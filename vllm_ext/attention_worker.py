@@ -28,6 +28,7 @@ from vllm.platforms import current_platform
 from vllm_ext.attention_session import AttentionSession, StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
+from vllm_ext.step_failures import AfdStepFailed
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,18 @@ class AfdAttentionWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         return _runner_cls(GPUModelRunner)(self.vllm_config, self.device)
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_model(*args, **kwargs)
+        except AfdStepFailed as exc:
+            raise AfdStepFailed.reraise_short(exc) from None
+
+    def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_dummy_batch(*args, **kwargs)
+        except AfdStepFailed as exc:
+            raise AfdStepFailed.reraise_short(exc) from None
 
     def afd_stats(self) -> dict[str, float]:
         """This rank's exchange split; `LLM.collective_rpc("afd_stats")` gathers it."""

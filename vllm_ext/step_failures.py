@@ -31,6 +31,14 @@ class AfdStepFailed(RuntimeError):
     def __init__(self, detail: str) -> None:
         super().__init__(f"{MARK}: {detail}")
 
+    @classmethod
+    def reraise_short(cls, exc: AfdStepFailed) -> AfdStepFailed:
+        """The same failure without the model's stack (vLLM's worker process logs every
+        exception with its traceback: a hundred lines per failed step otherwise)."""
+        short = cls.__new__(cls)
+        RuntimeError.__init__(short, *exc.args)
+        return short
+
 
 def is_step_failure(exc: BaseException) -> bool:
     """True for AfdStepFailed, also when a multiprocess executor re-raised it as text."""
