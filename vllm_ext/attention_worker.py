@@ -23,6 +23,7 @@ import contextlib
 import logging
 from typing import Any
 
+import torch
 from vllm.platforms import current_platform
 
 from vllm_ext.attention_session import AttentionSession, StepFlags
@@ -57,16 +58,12 @@ class AfdAttentionRunnerMixin:
         builds attention metadata and inputs: the AFD step opens now, so its payload travels
         while the attention side prepares. Both execute_model and _dummy_run pass here."""
         result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
-        cudagraph_mode, batch_desc, _, across_dp, _ = result
+        num_tokens, across_dp, replaying = _padding_decision(result)
         flags = self._afd_flags or StepFlags()
-        if not flags.is_graph_capturing and getattr(cudagraph_mode, "name", "NONE") != "NONE":
+        if not flags.is_graph_capturing and replaying:
             flags = flags.replaying()
         assert self._afd_session is not None
-        self._afd_session.open_step(
-            int(batch_desc.num_tokens),
-            [int(n) for n in across_dp.tolist()] if across_dp is not None else None,
-            flags,
-        )
+        self._afd_session.open_step(num_tokens, across_dp, flags)
         return result
 
     def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -96,6 +93,22 @@ class AfdAttentionRunnerMixin:
         if self._afd_session is not None:
             self._afd_session.close()
             self._afd_session = None
+
+
+def _padding_decision(result: tuple) -> tuple[int, list[int] | None, bool]:
+    """(padded rows, every DP rank's rows or None, replaying a CUDA graph) from what
+    `_determine_batch_execution_and_padding` returned: vLLM 0.32 gives (cudagraph mode, batch
+    descriptor, ubatch flag, num_tokens_across_dp, stats); read by type, not by position."""
+    desc = next((r for r in result if type(r).__name__ == "BatchDescriptor"), None)
+    mode = next((r for r in result if type(r).__name__ == "CUDAGraphMode"), None)
+    if desc is None:
+        raise RuntimeError(
+            "vLLM's _determine_batch_execution_and_padding returned no BatchDescriptor; "
+            "vllm_ext (AFD) needs updating for this vLLM"
+        )
+    across = next((r for r in result if isinstance(r, torch.Tensor)), None)
+    rows = None if across is None else [int(n) for n in across.tolist()]
+    return int(desc.num_tokens), rows, getattr(mode, "name", "NONE") != "NONE"
 
 
 def _runner_cls(base: type) -> type:
