@@ -28,8 +28,11 @@ def test_the_payload_decides_the_mode():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("gate", ["ffn", "attention"])
 @pytest.mark.parametrize("version", [2, 3])
-def test_capture_and_replay_follow_the_payload_and_match_eager(version: int):
+def test_capture_and_replay_follow_the_payload_and_match_eager(version: int, gate: str):
+    """gate=attention: the router logits are a second graph input, refilled every step in
+    their own receive slot (stale logits would route the new rows wrongly)."""
     from vllm_ext.testing.tiny_deepseek import build_weights, config_for
     from vllm_ext.testing.torch_ffn import TorchFfnStack
 
@@ -39,6 +42,8 @@ def test_capture_and_replay_follow_the_payload_and_match_eager(version: int):
     hidden = config["hidden_size"]
     # One receive slot per layer, like the transport's registered buffer (fixed addresses).
     slots = [torch.empty(64, hidden, device="cuda") for _ in range(stack.num_layers)]
+    experts = config["n_routed_experts"]
+    router_slots = [torch.empty(64, experts, device="cuda") for _ in range(stack.num_layers)]
 
     def step(p: afd_pb2.AFDControlPayload) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Runs every layer of stage 0; returns (runner output, eager reference) per layer."""
@@ -48,7 +53,12 @@ def test_capture_and_replay_follow_the_payload_and_match_eager(version: int):
         for layer in range(stack.num_layers):
             x = slots[layer][:rows]
             x.copy_(torch.randn(rows, hidden, device="cuda"))
-            out = runner.run(layer, 0, x).clone()
+            if gate == "attention":
+                router = router_slots[layer][:rows]
+                router.copy_(stack.router_logits(layer, x))
+                out = runner.run(layer, 0, x, router).clone()
+            else:
+                out = runner.run(layer, 0, x).clone()
             results.append((out, stack.forward_layer(layer, x)))
         return results
 

@@ -26,12 +26,22 @@ class TorchFfnStack:
         self.w = {k: v.to(device) for k, v in weights.items() if ".mlp." in k}
         self.num_layers = config["num_hidden_layers"]
 
-    def forward_layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """What the attention side sends with gate=attention (zeros for a dense layer)."""
+        p = f"model.layers.{layer}.mlp"
+        if layer < self.config["first_k_dense_replace"]:
+            return torch.zeros(x.shape[0], self.config["n_routed_experts"], device=x.device)
+        return x @ self.w[f"{p}.gate.weight"].T
+
+    def forward_layer(
+        self, layer: int, x: torch.Tensor, router: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`router`: the router logits computed on the attention side (else computed here)."""
         c = self.config
         p = f"model.layers.{layer}.mlp"
         if layer < c["first_k_dense_replace"]:
             return _mlp(self.w, p, x)
-        logits = x @ self.w[f"{p}.gate.weight"].T
+        logits = router if router is not None else x @ self.w[f"{p}.gate.weight"].T
         experts = c["n_routed_experts"]
         if c["scoring_func"] == "softmax":
             scores = logits.softmax(dim=-1)
