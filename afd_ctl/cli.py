@@ -20,6 +20,8 @@ from afd_ctl.config import DaemonConfig
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
 ROLE_NAMES = {"attention": afd_pb2.ATTENTION, "ffn": afd_pb2.FFN, "all": afd_pb2.ROLE_UNSPECIFIED}
+# `afd-ctl status` shows this many of the recent membership events (the JSON has all).
+RECENT_SHOWN = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +201,17 @@ def format_status(status: afd_pb2.Status) -> str:
             lines.append(
                 f"{sub.worker_id:<28} {sub.queued:>7} {sub.queue_capacity:>9} {sub.last_step_id:>10}"
             )
+    if status.recent_events:
+        lines += ["", "RECENT EVENTS"]
+        for event in status.recent_events[-RECENT_SHOWN:]:
+            kind = afd_pb2.MembershipEvent.Kind.Name(event.kind)
+            who = ""
+            if event.HasField("worker"):
+                role = afd_pb2.Role.Name(event.worker.role).lower()
+                who = f" {role} {event.worker.role_rank} ({event.worker.worker_id})"
+            when = time.strftime("%H:%M:%S", time.localtime(event.at_s))
+            reason = f": {event.reason}" if event.reason else ""
+            lines.append(f"{when} {kind}{who}{reason}")
     return "\n".join(lines)
 
 

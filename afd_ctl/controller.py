@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 Event = afd_pb2.MembershipEvent
 TAP_QUEUE = 4096
+RECENT_EVENTS = 20
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Controller:
         )
         self.sessions: dict[str, Session] = {}
         self.taps: list[Tap] = []
+        # The last RECENT_EVENTS membership changes, for status (what happened, and why).
+        self.recent_events: deque[afd_pb2.MembershipEvent] = deque(maxlen=RECENT_EVENTS)
         self.draining = False
         self.steps_relayed = 0
         self.payloads_rejected = 0
@@ -189,21 +193,23 @@ class Controller:
         self, kind: int, worker: Worker | None, reason: str, skip: Worker | None = None
     ) -> None:
         info = self.worker_info(worker) if worker is not None else None
+        at_s = time.time()
+        recent = Event(kind=kind, reason=reason, at_s=at_s)
+        if info is not None:
+            recent.worker.CopyFrom(info)
+        recent.view.epoch = self.membership.epoch
+        recent.view.complete = self.membership.complete
+        self.recent_events.append(recent)
         for session in list(self.sessions.values()):
             if session.worker is skip:
                 continue
-            event = Event(kind=kind, reason=reason, view=self.view_for(session.worker))
+            event = Event(kind=kind, reason=reason, view=self.view_for(session.worker), at_s=at_s)
             if info is not None:
                 event.worker.CopyFrom(info)
             if not session.mailbox.offer(afd_pb2.SessionMessage(event=event)):
                 self._cut_off(session, "fell behind: membership event could not be queued")
         if self.taps:
-            event = Event(kind=kind, reason=reason)
-            if info is not None:
-                event.worker.CopyFrom(info)
-            event.view.epoch = self.membership.epoch
-            event.view.complete = self.membership.complete
-            self._tap(afd_pb2.TapEvent(membership=event), payloads=False)
+            self._tap(afd_pb2.TapEvent(membership=recent), payloads=False)
 
     def _tap(self, event: afd_pb2.TapEvent, payloads: bool) -> None:
         for tap in list(self.taps):
@@ -278,6 +284,7 @@ class Controller:
             payloads_rejected=self.payloads_rejected,
             uptime_s=time.monotonic() - self.started_at,
             listen=self.listen_address,
+            recent_events=list(self.recent_events),
         )
         for role in ROLES:
             status.roles.add(

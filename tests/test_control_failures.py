@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -258,6 +260,14 @@ def test_a_worker_that_leaves_with_a_reason_tells_its_peers(start_daemon):
         assert event.worker.worker_id == "ffn-0"
         assert event.reason == "left: RuntimeError: expert weights missing for layer 3"
         daemon.wait_for("expert weights missing", 5)
+        # Afterwards too: `afd-ctl status` lists the loss and its reason.
+        out = subprocess.run(
+            [sys.executable, "-m", "afd_ctl.cli", "status", "--controller", daemon.address],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        lost = [line for line in out.stdout.splitlines() if "PEER_LOST" in line]
+        assert lost and "ffn 0 (ffn-0): left: RuntimeError: expert weights" in lost[-1], out.stdout
     finally:
         attention.close()
         ffn.close()

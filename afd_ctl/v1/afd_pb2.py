@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x61\x66\x64_ctl/v1/afd.proto\x12\x06\x61\x66\x64.v1\"H\n\nDPMetadata\x12\x1c\n\x14num_tokens_across_dp\x18\x01 \x03(\x05\x12\x1c\n\x14max_tokens_across_dp\x18\x02 \x01(\x05\"\xb4\x02\n\x11\x41\x46\x44\x43ontrolPayload\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x18\n\x10sender_role_rank\x18\x03 \x01(\r\x12\x35\n\x06stages\x18\x04 \x03(\x0b\x32%.afd.v1.AFDControlPayload.StagesEntry\x12\x11\n\tis_warmup\x18\x05 \x01(\x08\x12\x1a\n\x12is_graph_capturing\x18\x06 \x01(\x08\x12\x1a\n\x12is_graph_replaying\x18\x07 \x01(\x08\x12\x12\n\nis_profile\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x01(\x08\x1a\x41\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.afd.v1.DPMetadata:\x02\x38\x01\"\x9d\x01\n\x0fRegisterRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.afd.v1.Role\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x61ta_plane_blob\x18\x07 \x01(\x0c\"\xb9\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x04role\x18\x02 \x01(\x0e\x32\x0c.afd.v1.Role\x12\x11\n\trole_rank\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0c\n\x04peer\x18\x08 \x01(\t\x12\x17\n\x0fregistered_at_s\x18\t \x01(\x01\"C\n\x04Peer\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.afd.v1.WorkerInfo\x12\x17\n\x0f\x64\x61ta_plane_blob\x18\x02 \x01(\x0c\"2\n\x05Route\x12\x16\n\x0e\x61ttention_rank\x18\x01 \x01(\r\x12\x11\n\tffn_ranks\x18\x02 \x03(\r\"\xcb\x01\n\x04View\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x1e\n\x16\x63ontroller_incarnation\x18\x02 \x01(\t\x12\x1a\n\x12\x65xpected_attention\x18\x03 \x01(\r\x12\x14\n\x0c\x65xpected_ffn\x18\x04 \x01(\r\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08\x12\x1d\n\x06routes\x18\x06 \x03(\x0b\x32\r.afd.v1.Route\x12\x14\n\x0csender_ranks\x18\x07 \x03(\r\x12\x1b\n\x05peers\x18\x08 \x03(\x0b\x32\x0c.afd.v1.Peer\"_\n\nRegistered\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.afd.v1.WorkerInfo\x12\x1a\n\x04view\x18\x02 \x01(\x0b\x32\x0c.afd.v1.View\x12\x11\n\tis_sender\x18\x03 \x01(\x08\"\xe7\x01\n\x0fMembershipEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.afd.v1.MembershipEvent.Kind\x12\"\n\x06worker\x18\x02 \x01(\x0b\x32\x12.afd.v1.WorkerInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x04view\x18\x04 \x01(\x0b\x32\x0c.afd.v1.View\"X\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPEER_JOINED\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x10\n\x0cSET_COMPLETE\x10\x03\x12\x08\n\x04STOP\x10\x04\"\x0b\n\tHeartbeat\"\x90\x01\n\x0eSessionRequest\x12+\n\x08register\x18\x01 \x01(\x0b\x32\x17.afd.v1.RegisterRequestH\x00\x12&\n\theartbeat\x18\x02 \x01(\x0b\x32\x11.afd.v1.HeartbeatH\x00\x12\x1e\n\x05leave\x18\x03 \x01(\x0b\x32\r.afd.v1.LeaveH\x00\x42\t\n\x07message\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc5\x01\n\x0eSessionMessage\x12(\n\nregistered\x18\x01 \x01(\x0b\x32\x12.afd.v1.RegisteredH\x00\x12,\n\x07payload\x18\x02 \x01(\x0b\x32\x19.afd.v1.AFDControlPayloadH\x00\x12(\n\x05\x65vent\x18\x03 \x01(\x0b\x32\x17.afd.v1.MembershipEventH\x00\x12&\n\theartbeat\x18\x04 \x01(\x0b\x32\x11.afd.v1.HeartbeatH\x00\x42\t\n\x07message\"A\n\x0fPublishRejected\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"7\n\nPublishAck\x12)\n\x08rejected\x18\x01 \x01(\x0b\x32\x17.afd.v1.PublishRejected\"\x12\n\x10GetStatusRequest\"M\n\tRoleCount\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.afd.v1.Role\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\x12\x12\n\nregistered\x18\x03 \x01(\r\"`\n\rSubscriberLag\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x14\n\x0clast_step_id\x18\x03 \x01(\x04\x12\x16\n\x0equeue_capacity\x18\x04 \x01(\r\"\xff\x01\n\x06Status\x12\x0e\n\x06health\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1e\n\x16\x63ontroller_incarnation\x18\x03 \x01(\t\x12 \n\x05roles\x18\x04 \x03(\x0b\x32\x11.afd.v1.RoleCount\x12\x14\n\x0clast_step_id\x18\x05 \x01(\x04\x12\x15\n\rsteps_relayed\x18\x06 \x01(\x04\x12\x19\n\x11payloads_rejected\x18\x07 \x01(\x04\x12*\n\x0bsubscribers\x18\x08 \x03(\x0b\x32\x15.afd.v1.SubscriberLag\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x0e\n\x06listen\x18\n \x01(\t\"0\n\x12ListWorkersRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.afd.v1.Role\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.afd.v1.WorkerInfo\"&\n\nTapRequest\x12\x18\n\x10include_payloads\x18\x01 \x01(\x08\"p\n\x08TapEvent\x12,\n\x07payload\x18\x01 \x01(\x0b\x32\x19.afd.v1.AFDControlPayloadH\x00\x12-\n\nmembership\x18\x02 \x01(\x0b\x32\x17.afd.v1.MembershipEventH\x00\x42\x07\n\x05\x65vent\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"(\n\x0cStopResponse\x12\x18\n\x10\x66\x66n_workers_told\x18\x01 \x01(\r*4\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tATTENTION\x10\x01\x12\x07\n\x03\x46\x46N\x10\x02\x32\x8c\x01\n\rAFDController\x12=\n\x07Session\x12\x16.afd.v1.SessionRequest\x1a\x16.afd.v1.SessionMessage(\x01\x30\x01\x12<\n\x07Publish\x12\x19.afd.v1.AFDControlPayload\x1a\x12.afd.v1.PublishAck(\x01\x30\x01\x32\xed\x01\n\nAFDInspect\x12\x35\n\tGetStatus\x12\x18.afd.v1.GetStatusRequest\x1a\x0e.afd.v1.Status\x12\x46\n\x0bListWorkers\x12\x1a.afd.v1.ListWorkersRequest\x1a\x1b.afd.v1.ListWorkersResponse\x12-\n\x03Tap\x12\x12.afd.v1.TapRequest\x1a\x10.afd.v1.TapEvent0\x01\x12\x31\n\x04Stop\x12\x13.afd.v1.StopRequest\x1a\x14.afd.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x61\x66\x64_ctl/v1/afd.proto\x12\x06\x61\x66\x64.v1\"H\n\nDPMetadata\x12\x1c\n\x14num_tokens_across_dp\x18\x01 \x03(\x05\x12\x1c\n\x14max_tokens_across_dp\x18\x02 \x01(\x05\"\xb4\x02\n\x11\x41\x46\x44\x43ontrolPayload\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x18\n\x10sender_role_rank\x18\x03 \x01(\r\x12\x35\n\x06stages\x18\x04 \x03(\x0b\x32%.afd.v1.AFDControlPayload.StagesEntry\x12\x11\n\tis_warmup\x18\x05 \x01(\x08\x12\x1a\n\x12is_graph_capturing\x18\x06 \x01(\x08\x12\x1a\n\x12is_graph_replaying\x18\x07 \x01(\x08\x12\x12\n\nis_profile\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x01(\x08\x1a\x41\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.afd.v1.DPMetadata:\x02\x38\x01\"\x9d\x01\n\x0fRegisterRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.afd.v1.Role\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x61ta_plane_blob\x18\x07 \x01(\x0c\"\xb9\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x04role\x18\x02 \x01(\x0e\x32\x0c.afd.v1.Role\x12\x11\n\trole_rank\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0c\n\x04peer\x18\x08 \x01(\t\x12\x17\n\x0fregistered_at_s\x18\t \x01(\x01\"C\n\x04Peer\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.afd.v1.WorkerInfo\x12\x17\n\x0f\x64\x61ta_plane_blob\x18\x02 \x01(\x0c\"2\n\x05Route\x12\x16\n\x0e\x61ttention_rank\x18\x01 \x01(\r\x12\x11\n\tffn_ranks\x18\x02 \x03(\r\"\xcb\x01\n\x04View\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x1e\n\x16\x63ontroller_incarnation\x18\x02 \x01(\t\x12\x1a\n\x12\x65xpected_attention\x18\x03 \x01(\r\x12\x14\n\x0c\x65xpected_ffn\x18\x04 \x01(\r\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08\x12\x1d\n\x06routes\x18\x06 \x03(\x0b\x32\r.afd.v1.Route\x12\x14\n\x0csender_ranks\x18\x07 \x03(\r\x12\x1b\n\x05peers\x18\x08 \x03(\x0b\x32\x0c.afd.v1.Peer\"_\n\nRegistered\x12\"\n\x06worker\x18\x01 \x01(\x0b\x32\x12.afd.v1.WorkerInfo\x12\x1a\n\x04view\x18\x02 \x01(\x0b\x32\x0c.afd.v1.View\x12\x11\n\tis_sender\x18\x03 \x01(\x08\"\xf5\x01\n\x0fMembershipEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.afd.v1.MembershipEvent.Kind\x12\"\n\x06worker\x18\x02 \x01(\x0b\x32\x12.afd.v1.WorkerInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x04view\x18\x04 \x01(\x0b\x32\x0c.afd.v1.View\x12\x0c\n\x04\x61t_s\x18\x05 \x01(\x01\"X\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPEER_JOINED\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x10\n\x0cSET_COMPLETE\x10\x03\x12\x08\n\x04STOP\x10\x04\"\x0b\n\tHeartbeat\"\x90\x01\n\x0eSessionRequest\x12+\n\x08register\x18\x01 \x01(\x0b\x32\x17.afd.v1.RegisterRequestH\x00\x12&\n\theartbeat\x18\x02 \x01(\x0b\x32\x11.afd.v1.HeartbeatH\x00\x12\x1e\n\x05leave\x18\x03 \x01(\x0b\x32\r.afd.v1.LeaveH\x00\x42\t\n\x07message\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc5\x01\n\x0eSessionMessage\x12(\n\nregistered\x18\x01 \x01(\x0b\x32\x12.afd.v1.RegisteredH\x00\x12,\n\x07payload\x18\x02 \x01(\x0b\x32\x19.afd.v1.AFDControlPayloadH\x00\x12(\n\x05\x65vent\x18\x03 \x01(\x0b\x32\x17.afd.v1.MembershipEventH\x00\x12&\n\theartbeat\x18\x04 \x01(\x0b\x32\x11.afd.v1.HeartbeatH\x00\x42\t\n\x07message\"A\n\x0fPublishRejected\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"7\n\nPublishAck\x12)\n\x08rejected\x18\x01 \x01(\x0b\x32\x17.afd.v1.PublishRejected\"\x12\n\x10GetStatusRequest\"M\n\tRoleCount\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.afd.v1.Role\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\x12\x12\n\nregistered\x18\x03 \x01(\r\"`\n\rSubscriberLag\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x14\n\x0clast_step_id\x18\x03 \x01(\x04\x12\x16\n\x0equeue_capacity\x18\x04 \x01(\r\"\xaf\x02\n\x06Status\x12\x0e\n\x06health\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1e\n\x16\x63ontroller_incarnation\x18\x03 \x01(\t\x12 \n\x05roles\x18\x04 \x03(\x0b\x32\x11.afd.v1.RoleCount\x12\x14\n\x0clast_step_id\x18\x05 \x01(\x04\x12\x15\n\rsteps_relayed\x18\x06 \x01(\x04\x12\x19\n\x11payloads_rejected\x18\x07 \x01(\x04\x12*\n\x0bsubscribers\x18\x08 \x03(\x0b\x32\x15.afd.v1.SubscriberLag\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x0e\n\x06listen\x18\n \x01(\t\x12.\n\rrecent_events\x18\x0b \x03(\x0b\x32\x17.afd.v1.MembershipEvent\"0\n\x12ListWorkersRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.afd.v1.Role\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.afd.v1.WorkerInfo\"&\n\nTapRequest\x12\x18\n\x10include_payloads\x18\x01 \x01(\x08\"p\n\x08TapEvent\x12,\n\x07payload\x18\x01 \x01(\x0b\x32\x19.afd.v1.AFDControlPayloadH\x00\x12-\n\nmembership\x18\x02 \x01(\x0b\x32\x17.afd.v1.MembershipEventH\x00\x42\x07\n\x05\x65vent\"\x1d\n\x0bStopRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"(\n\x0cStopResponse\x12\x18\n\x10\x66\x66n_workers_told\x18\x01 \x01(\r*4\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tATTENTION\x10\x01\x12\x07\n\x03\x46\x46N\x10\x02\x32\x8c\x01\n\rAFDController\x12=\n\x07Session\x12\x16.afd.v1.SessionRequest\x1a\x16.afd.v1.SessionMessage(\x01\x30\x01\x12<\n\x07Publish\x12\x19.afd.v1.AFDControlPayload\x1a\x12.afd.v1.PublishAck(\x01\x30\x01\x32\xed\x01\n\nAFDInspect\x12\x35\n\tGetStatus\x12\x18.afd.v1.GetStatusRequest\x1a\x0e.afd.v1.Status\x12\x46\n\x0bListWorkers\x12\x1a.afd.v1.ListWorkersRequest\x1a\x1b.afd.v1.ListWorkersResponse\x12-\n\x03Tap\x12\x12.afd.v1.TapRequest\x1a\x10.afd.v1.TapEvent0\x01\x12\x31\n\x04Stop\x12\x13.afd.v1.StopRequest\x1a\x14.afd.v1.StopResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_AFDCONTROLPAYLOAD_STAGESENTRY']._loaded_options = None
   _globals['_AFDCONTROLPAYLOAD_STAGESENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=2724
-  _globals['_ROLE']._serialized_end=2776
+  _globals['_ROLE']._serialized_start=2786
+  _globals['_ROLE']._serialized_end=2838
   _globals['_DPMETADATA']._serialized_start=32
   _globals['_DPMETADATA']._serialized_end=104
   _globals['_AFDCONTROLPAYLOAD']._serialized_start=107
@@ -54,43 +54,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERED']._serialized_start=1092
   _globals['_REGISTERED']._serialized_end=1187
   _globals['_MEMBERSHIPEVENT']._serialized_start=1190
-  _globals['_MEMBERSHIPEVENT']._serialized_end=1421
-  _globals['_MEMBERSHIPEVENT_KIND']._serialized_start=1333
-  _globals['_MEMBERSHIPEVENT_KIND']._serialized_end=1421
-  _globals['_HEARTBEAT']._serialized_start=1423
-  _globals['_HEARTBEAT']._serialized_end=1434
-  _globals['_SESSIONREQUEST']._serialized_start=1437
-  _globals['_SESSIONREQUEST']._serialized_end=1581
-  _globals['_LEAVE']._serialized_start=1583
-  _globals['_LEAVE']._serialized_end=1606
-  _globals['_SESSIONMESSAGE']._serialized_start=1609
-  _globals['_SESSIONMESSAGE']._serialized_end=1806
-  _globals['_PUBLISHREJECTED']._serialized_start=1808
-  _globals['_PUBLISHREJECTED']._serialized_end=1873
-  _globals['_PUBLISHACK']._serialized_start=1875
-  _globals['_PUBLISHACK']._serialized_end=1930
-  _globals['_GETSTATUSREQUEST']._serialized_start=1932
-  _globals['_GETSTATUSREQUEST']._serialized_end=1950
-  _globals['_ROLECOUNT']._serialized_start=1952
-  _globals['_ROLECOUNT']._serialized_end=2029
-  _globals['_SUBSCRIBERLAG']._serialized_start=2031
-  _globals['_SUBSCRIBERLAG']._serialized_end=2127
-  _globals['_STATUS']._serialized_start=2130
-  _globals['_STATUS']._serialized_end=2385
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2387
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2435
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2437
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2495
-  _globals['_TAPREQUEST']._serialized_start=2497
-  _globals['_TAPREQUEST']._serialized_end=2535
-  _globals['_TAPEVENT']._serialized_start=2537
-  _globals['_TAPEVENT']._serialized_end=2649
-  _globals['_STOPREQUEST']._serialized_start=2651
-  _globals['_STOPREQUEST']._serialized_end=2680
-  _globals['_STOPRESPONSE']._serialized_start=2682
-  _globals['_STOPRESPONSE']._serialized_end=2722
-  _globals['_AFDCONTROLLER']._serialized_start=2779
-  _globals['_AFDCONTROLLER']._serialized_end=2919
-  _globals['_AFDINSPECT']._serialized_start=2922
-  _globals['_AFDINSPECT']._serialized_end=3159
+  _globals['_MEMBERSHIPEVENT']._serialized_end=1435
+  _globals['_MEMBERSHIPEVENT_KIND']._serialized_start=1347
+  _globals['_MEMBERSHIPEVENT_KIND']._serialized_end=1435
+  _globals['_HEARTBEAT']._serialized_start=1437
+  _globals['_HEARTBEAT']._serialized_end=1448
+  _globals['_SESSIONREQUEST']._serialized_start=1451
+  _globals['_SESSIONREQUEST']._serialized_end=1595
+  _globals['_LEAVE']._serialized_start=1597
+  _globals['_LEAVE']._serialized_end=1620
+  _globals['_SESSIONMESSAGE']._serialized_start=1623
+  _globals['_SESSIONMESSAGE']._serialized_end=1820
+  _globals['_PUBLISHREJECTED']._serialized_start=1822
+  _globals['_PUBLISHREJECTED']._serialized_end=1887
+  _globals['_PUBLISHACK']._serialized_start=1889
+  _globals['_PUBLISHACK']._serialized_end=1944
+  _globals['_GETSTATUSREQUEST']._serialized_start=1946
+  _globals['_GETSTATUSREQUEST']._serialized_end=1964
+  _globals['_ROLECOUNT']._serialized_start=1966
+  _globals['_ROLECOUNT']._serialized_end=2043
+  _globals['_SUBSCRIBERLAG']._serialized_start=2045
+  _globals['_SUBSCRIBERLAG']._serialized_end=2141
+  _globals['_STATUS']._serialized_start=2144
+  _globals['_STATUS']._serialized_end=2447
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2449
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2497
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2499
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2557
+  _globals['_TAPREQUEST']._serialized_start=2559
+  _globals['_TAPREQUEST']._serialized_end=2597
+  _globals['_TAPEVENT']._serialized_start=2599
+  _globals['_TAPEVENT']._serialized_end=2711
+  _globals['_STOPREQUEST']._serialized_start=2713
+  _globals['_STOPREQUEST']._serialized_end=2742
+  _globals['_STOPRESPONSE']._serialized_start=2744
+  _globals['_STOPRESPONSE']._serialized_end=2784
+  _globals['_AFDCONTROLLER']._serialized_start=2841
+  _globals['_AFDCONTROLLER']._serialized_end=2981
+  _globals['_AFDINSPECT']._serialized_start=2984
+  _globals['_AFDINSPECT']._serialized_end=3221
 # @@protoc_insertion_point(module_scope)

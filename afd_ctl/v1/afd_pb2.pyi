@@ -140,7 +140,7 @@ class Registered(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., is_sender: _Optional[bool] = ...) -> None: ...
 
 class MembershipEvent(_message.Message):
-    __slots__ = ("kind", "worker", "reason", "view")
+    __slots__ = ("kind", "worker", "reason", "view", "at_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[MembershipEvent.Kind]
@@ -157,11 +157,13 @@ class MembershipEvent(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
     kind: MembershipEvent.Kind
     worker: WorkerInfo
     reason: str
     view: View
-    def __init__(self, kind: _Optional[_Union[MembershipEvent.Kind, str]] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., reason: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ...) -> None: ...
+    at_s: float
+    def __init__(self, kind: _Optional[_Union[MembershipEvent.Kind, str]] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., reason: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -238,7 +240,7 @@ class SubscriberLag(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., queued: _Optional[int] = ..., last_step_id: _Optional[int] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen")
+    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +251,7 @@ class Status(_message.Message):
     SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     LISTEN_FIELD_NUMBER: _ClassVar[int]
+    RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
     health: str
     epoch: int
     controller_incarnation: str
@@ -259,7 +262,8 @@ class Status(_message.Message):
     subscribers: _containers.RepeatedCompositeFieldContainer[SubscriberLag]
     uptime_s: float
     listen: str
-    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ...) -> None: ...
+    recent_events: _containers.RepeatedCompositeFieldContainer[MembershipEvent]
+    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("role",)
