@@ -464,15 +464,7 @@ class ControllerClient:
                 log.warning("publish stream ended: %s: %s", exc.code().name, exc.details())
                 if exc.code() in PERMANENT_CODES:
                     self._rejections.append(AfdRejected(exc.code().name, exc.details() or ""))
-                elif exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    # The daemon went away; the session thread may not have noticed yet.
-                    with self._cond:
-                        if self._unreachable is None and not self._closing:
-                            self._unreachable = AfdControllerUnreachable(
-                                f"afd-ctl at {self.target} unreachable (UNAVAILABLE: "
-                                f"{exc.details()}); retrying in the background"
-                            )
-                            self._cond.notify_all()
+
         with self._publish_lock:
             if self._publish_queue is requests:
                 self._publish_queue = None
@@ -499,6 +491,16 @@ class ControllerClient:
             raise self._rejections.popleft()
 
     # -- shutdown ------------------------------------------------------------------------
+    @property
+    def rejoin_after_s(self) -> float:
+        """How long a worker should see a data-plane loss that afd-ctl does not report before
+        it rejoins: well past the liveness bound, so a real death is reported first."""
+        return max(5.0, 2 * self.liveness_timeout_s + 1)
+
+    def discard_rejections(self) -> None:
+        """Drops refusals not yet raised (after a reconnect they are about older payloads)."""
+        self._rejections.clear()
+
     def rejoin(self, reason: str, timeout_s: float = LEAVE_WAIT_S) -> None:
         """Leaves (saying why) and registers again under the same identity, so afd-ctl moves
         every peer to a new epoch. For a worker whose data plane is stuck while afd-ctl still
@@ -506,7 +508,9 @@ class ControllerClient:
         makes every peer drop the step and reconnect. Returns once the old session ended."""
         with self._cond:
             call, hung_up = self._session_call, self._session_hung_up
-            if call is None or hung_up is None or self._closing:
+            if call is None or hung_up is None or self._closing or self._unreachable:
+                return  # no session to leave (the client re-registers by itself anyway)
+            if call.done():  # type: ignore[attr-defined]
                 return
             self._rejoining = f"rejoining: {reason}"
         log.warning("leaving afd-ctl to rejoin in a new epoch: %s", reason)

@@ -128,6 +128,8 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
                 yield HEARTBEAT if message is None else message
         finally:
             reader.cancel()
+            if heard.left and reason == SESSION_CLOSED:  # it said why, then hung up
+                reason = f"left: {heard.left}"
             self.controller.close_session(session, reason)
 
     async def Publish(  # noqa: N802

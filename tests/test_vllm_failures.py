@@ -133,3 +133,49 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     attention.signal(signal.SIGTERM)
     assert attention.wait(60) == 0, attention.tail()
     assert ffn2.wait(30) == 0, ffn2.tail()
+
+
+@pytest.mark.timeout(600)
+def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
+    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """The FFN server freezes (SIGSTOP) longer than the attention side's step bound but not as
+    long as afd-ctl's liveness bound: only the attention side's data plane calls it lost, and
+    afd-ctl still sees everyone in the same epoch, so no new view would ever come by itself.
+    The attention worker rejoins afd-ctl; the new epoch reconnects both sides and requests
+    succeed again, without restarting anything."""
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    ffn = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn.log", vllm_env())
+    procs.append(ffn)
+    port = free_port()
+    attention = Proc(
+        serve_argv(tiny_model, port, "--afd-role", "attention", "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env({"AFD_STEP_TIMEOUT_S": "0.5"}),
+    )
+    procs.append(attention)
+    health = f"http://127.0.0.1:{port}/health"
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    wait_http_ok(health, 240, attention.popen)
+    body = {"model": str(tiny_model), "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    before = post_json(url, body)["choices"][0]["text"]
+
+    ffn.signal(signal.SIGSTOP)
+    try:
+        status, _ = post_error(url, {**body, "max_tokens": 200})
+        assert status == 503
+    finally:
+        time.sleep(0.5)
+        ffn.signal(signal.SIGCONT)
+    # Requests fail until the attention worker has rejoined, then succeed again.
+    deadline = time.monotonic() + 60
+    while True:
+        status, text = post_error(url, body)
+        if status == 200:
+            break
+        assert time.monotonic() < deadline, f"still failing: {status} {text}"
+        time.sleep(1)
+    assert json.loads(text)["choices"][0]["text"] == before
+    assert "rejoining" in attention.log(), attention.tail()
+    assert attention.popen.poll() is None and ffn.popen.poll() is None

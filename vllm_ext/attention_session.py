@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 from afd_ctl.errors import AfdError, AfdNotReady, AfdTimeout
 from afd_ctl.payloads import make_payload
-from afd_data.errors import AfdDataError
+from afd_data.errors import AfdBadInput, AfdDataError
 from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
 from vllm_ext.exchange import AttentionExchange, StepShape, expected_counts
@@ -67,6 +68,8 @@ class AttentionSession:
         self._shape: StepShape | None = None
         self._num_tokens = 0
         self._layers_done = 0
+        # When this data plane's current loss was first seen while afd-ctl saw no change.
+        self._lost_since: float | None = None
         self._client: Any = None
         self._exchange: AttentionExchange | None = None
         self._is_sender = False
@@ -178,11 +181,11 @@ class AttentionSession:
         counts = self._counts(num_tokens, across_dp)
         self.step_id += 1
         shape = StepShape(step_id=self.step_id, stages={0: counts})
-        with _step_failures(self.step_id):
+        with _step_failures(self.step_id, recoverable=self.tp_size == 1):
             self._ensure_connected()
-            # Data-plane state first (buffers for this step), then the control message.
+            # Data-plane state first (buffers for this step), then the control message; the
+            # step counts as open (see _finish_abandoned_step) only once it is published.
             self._exchange.begin_step(shape)
-            self._shape, self._num_tokens, self._layers_done = shape, num_tokens, 0
             if self._is_sender:
                 payload = make_payload(
                     self.step_id,
@@ -193,6 +196,7 @@ class AttentionSession:
                     is_graph_replaying=flags.is_graph_replaying,
                 )
                 self._client.publish(payload)
+            self._shape, self._num_tokens, self._layers_done = shape, num_tokens, 0
         if self._profiler is not None:
             self._profiler.step(self.step_id)
 
@@ -204,9 +208,9 @@ class AttentionSession:
                 "deciding its batch padding first); vllm_ext needs updating for this vLLM"
             )
         if num_tokens != self._num_tokens:
-            raise AfdStepFailed(
-                f"step {self.step_id}: the model runs {num_tokens} rows but the step was "
-                f"published for {self._num_tokens} (vllm_ext bug)"
+            raise RuntimeError(
+                f"afd: step {self.step_id}: the model runs {num_tokens} rows but the step was "
+                f"published for {self._num_tokens}; vllm_ext needs updating for this vLLM"
             )
 
     def _finish_abandoned_step(self) -> None:
@@ -233,24 +237,45 @@ class AttentionSession:
 
     def _ensure_connected(self) -> None:
         """Before a step: if the data plane lost a peer or afd-ctl moved to a newer epoch,
-        reconnect to the newest complete view, waiting at most RECONNECT_WAIT_S for it."""
+        reconnect to the newest complete view, waiting at most RECONNECT_WAIT_S for it.
+
+        A loss only this data plane saw (afd-ctl still has everyone alive in the same epoch,
+        so no newer view would ever come) makes this worker rejoin afd-ctl once it has lasted
+        `rejoin_after_s`: the new epoch makes every peer drop the stuck step and reconnect."""
         assert self._exchange is not None and self._client is not None
         transport = self._exchange.transport
         view = self._client.view
         if transport.lost is None and view.complete and view.epoch == transport.epoch:
+            self._lost_since = None
             return
+        only_here = transport.lost is not None and view.complete and view.epoch == transport.epoch
+        if only_here:
+            now = time.monotonic()
+            if self._lost_since is None:
+                self._lost_since = now
+            elif now - self._lost_since >= self._client.rejoin_after_s:
+                self._lost_since = None
+                self._client.rejoin(f"attention rank {self.role_rank}: {transport.lost}")
         try:
             view = self._client.wait_complete(
                 timeout_s=min(RECONNECT_WAIT_S, self.afd.step_timeout_s),
                 after_epoch=transport.epoch or 0,
             )
         except AfdTimeout:
+            if only_here:
+                raise AfdNotReady(
+                    f"the data plane lost its FFN peer ({transport.lost}) while afd-ctl at "
+                    f"{self.afd.controller} still sees every worker; rejoining afd-ctl in a new "
+                    "epoch to recover"
+                ) from None
             why = transport.lost or "the FFN side is not complete"
             raise AfdNotReady(
                 f"no complete FFN side to run on ({why}); afd-ctl at {self.afd.controller} "
                 "has not seen the FFN servers come back. Start them again; /health is 503 "
                 "until then"
             ) from None
+        self._lost_since = None
+        self._client.discard_rejections()  # refusals of payloads from before the reconnect
         self._exchange.connect(view)
         log.warning(
             "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",
@@ -280,14 +305,14 @@ class AttentionSession:
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
-        with _step_failures(shape.step_id, layer_idx):
+        with _step_failures(shape.step_id, layer_idx, recoverable=self.tp_size == 1):
             out = exchange.exchange(layer_idx, 0, hidden_states, router_logits)
         self._layers_done = layer_idx + 1
         return out
 
     def end_step(self) -> None:
         if self._exchange is not None and self._shape is not None:
-            with _step_failures(self._shape.step_id):
+            with _step_failures(self._shape.step_id, recoverable=self.tp_size == 1):
                 self._exchange.end_step()
         self._shape = None
 
@@ -309,12 +334,24 @@ def _worker_id(base: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int
 
 
 @contextlib.contextmanager
-def _step_failures(step_id: int, layer: int | None = None) -> Iterator[None]:
-    """AFD errors of a step become AfdStepFailed, which fails the step's requests only."""
+def _step_failures(
+    step_id: int, layer: int | None = None, *, recoverable: bool = True
+) -> Iterator[None]:
+    """AFD errors of a step become AfdStepFailed, which fails the step's requests only.
+
+    Not `recoverable` under attention TP > 1: each TP rank would decide alone, one could leave
+    the forward while the others wait in its all-reduce, so the error ends the engine."""
     try:
         yield
+    except AfdBadInput as exc:  # a setting or an extension bug: every step would fail alike
+        raise RuntimeError(f"afd: step {step_id}: {exc}") from exc
     except (AfdError, AfdDataError) as exc:
         where = f"step {step_id}" + (f", layer {layer}" if layer is not None else "")
+        if not recoverable:
+            raise RuntimeError(
+                f"afd: {where}: {exc} (attention TP > 1: its TP ranks cannot fail a step "
+                "together yet, so this ends the server)"
+            ) from exc
         raise AfdStepFailed(f"{where}: {exc}") from exc
 
 

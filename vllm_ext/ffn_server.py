@@ -41,10 +41,8 @@ from vllm_ext.model_split import router_columns
 log = logging.getLogger("vllm_ext.ffn_server")
 
 POLL_S = 0.5
-# Waiting for peers: log this often; after a loss only the data plane saw, rejoin afd-ctl after
-# this long (longer than its liveness bound, so a real death is reported first).
+# Waiting for peers: log this often.
 WAIT_LOG_S = 30.0
-REJOIN_AFTER_S = 5.0
 STAT_WINDOW = 1000
 
 
@@ -178,12 +176,12 @@ class FfnWorker:
         An FFN server is a server: it waits for its attention peers as long as it runs (they
         may take many minutes to load a large model), logging every WAIT_LOG_S. After a loss
         that only the data plane saw (a wait timed out, yet afd-ctl still has everyone in the
-        same epoch), it rejoins afd-ctl after REJOIN_AFTER_S: the new epoch makes every peer
+        same epoch), it rejoins afd-ctl after `rejoin_after_s`: the new epoch makes every peer
         drop the stuck step and reconnect, instead of all waiting for each other."""
         assert self._client is not None
         started = time.monotonic()
         next_log = started + WAIT_LOG_S
-        rejoin_at = started + REJOIN_AFTER_S if lost is not None else None
+        rejoin_at = started + self._client.rejoin_after_s if lost is not None else None
         while not self._stop.is_set():
             try:
                 return self._client.wait_complete(timeout_s=POLL_S, after_epoch=after_epoch)

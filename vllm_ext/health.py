@@ -34,6 +34,11 @@ class AfdSideMonitor:
         self._problem: str | None = None
         self._reported: str | None = None
 
+    @property
+    def last_problem(self) -> str | None:
+        """What afd-ctl said when last asked (no call: safe on the API server's event loop)."""
+        return self._problem
+
     def problem(self) -> str | None:
         """None when afd-ctl reports SERVING, else why not (blocking, bounded)."""
         with self._lock:
@@ -105,14 +110,21 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
             return raise_if_error(self, finish_reason, request_id)
         from vllm.exceptions import RetryableRequestError
 
-        known = monitor.problem() or (
-            f"afd-ctl at {monitor.controller} still reported SERVING: the loss may not have "
-            "reached it yet"
-        )
-        log.error("afd: request %s failed in the engine (%s)", request_id, known)
+        # Only the cached answer: this runs on the API server's event loop (check_health and
+        # its thread keep it fresh).
+        problem = monitor.last_problem
+        if problem is not None:
+            detail = f"{problem}. Retry once GET /health returns 200."
+        else:
+            detail = (
+                f"afd-ctl at {monitor.controller} reported SERVING when last asked, so the loss "
+                "may not have reached it yet, or only the data plane saw it (the attention "
+                "server's log says 'AFD step failed'). Retry; GET /health tells whether the "
+                "FFN side is back."
+            )
+        log.error("afd: request %s failed in the engine (%s)", request_id, problem or "SERVING")
         raise RetryableRequestError(
-            "The request failed: the AFD FFN side could not run its step (an FFN server was "
-            f"lost or is not back; {known}). Retry once GET /health returns 200."
+            f"The request failed: the AFD FFN side could not run its step. {detail}"
         )
 
     return wrapped

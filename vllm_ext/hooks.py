@@ -164,6 +164,11 @@ def validate(vllm_config: Any, afd: AfdConfig) -> None:
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("AFD does not support --pipeline-parallel-size > 1")
+    if getattr(parallel, "use_ubatching", False):
+        raise ValueError(
+            "AFD does not support vLLM's micro-batching yet (--enable-dbo / --ubatch-size > 1): "
+            "its two stages would need one AFD payload with two stages per step"
+        )
     if afd.role == "ffn" and parallel.data_parallel_size != 1:
         raise ValueError("an AFD FFN server runs one rank: start one server per FFN rank")
     if afd.role == "attention" and parallel.worker_cls != ATTENTION_WORKER_CLS:

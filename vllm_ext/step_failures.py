@@ -75,10 +75,29 @@ def fail_running_requests(engine_core: Any, exc: BaseException) -> dict[int, Any
     log.error(
         "afd: %s; failed %d running request(s), the server stays up", _first_line(exc), len(failed)
     )
-    if not scheduler.reset_prefix_cache():
-        log.warning("afd: prefix cache not reset (blocks still in use); cached prefixes of the "
-                    "failed step may be reused")  # fmt: skip
-    return {client: EngineCoreOutputs(outputs=outs) for client, outs in per_client.items()}
+    outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in per_client.items()}
+    # As update_from_output does: tell the front end (and the DP load balancer) which requests
+    # finished, so its in-flight counts do not stay high while the FFN side is down.
+    finished = getattr(scheduler, "finished_req_ids_dict", None)
+    if finished:
+        for client, ids in finished.items():
+            outputs.setdefault(client, EngineCoreOutputs()).finished_requests = ids
+        finished.clear()
+    engine_core._afd_prefix_reset_pending = True
+    reset_prefix_cache_if_pending(engine_core)
+    return outputs
+
+
+def reset_prefix_cache_if_pending(engine_core: Any) -> None:
+    """After a failed step, until it succeeds (it needs every KV block free): the blocks that
+    step scheduled were marked cached but never written."""
+    if not getattr(engine_core, "_afd_prefix_reset_pending", False):
+        return
+    if engine_core.scheduler.reset_prefix_cache():
+        engine_core._afd_prefix_reset_pending = False
+        log.info("afd: prefix cache reset after the failed step")
+    else:
+        log.warning("afd: prefix cache not reset yet (blocks still in use); retrying each step")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -93,6 +112,7 @@ def fail_step(step: Any) -> Any:
     collected first (they fail the same way, bounded by the step timeout)."""
 
     def wrapped(self: Any) -> tuple[dict[int, Any] | None, bool]:
+        reset_prefix_cache_if_pending(self)
         try:
             return step(self)
         except Exception as exc:
@@ -104,11 +124,13 @@ def fail_step(step: Any) -> Any:
     return wrapped
 
 
-def _drain_batch_queue(batch_queue: Any, timeout_s: float = 30.0) -> None:
+def _drain_batch_queue(batch_queue: Any) -> None:
+    """Collects the batches already submitted (vLLM's executor futures take no timeout; vLLM
+    bounds them with VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)."""
     while batch_queue:
         for future in batch_queue.pop()[::2]:  # (future, scheduler_output, exec_future)
             try:
-                future.result(timeout=timeout_s)
+                future.result()
             except Exception as exc:  # the same loss, most likely; its requests fail below
                 log.debug("afd: queued batch after a failed step: %s", exc)
 
