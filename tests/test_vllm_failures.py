@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -178,4 +179,55 @@ def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
         time.sleep(1)
     assert json.loads(text)["choices"][0]["text"] == before
     assert "rejoining" in attention.log(), attention.tail()
+    assert attention.popen.poll() is None and ffn.popen.poll() is None
+
+
+@pytest.mark.timeout(600)
+def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
+    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """The attention server freezes (SIGSTOP) mid-decode for longer than the FFN server's
+    step bound but not afd-ctl's liveness bound: only the FFN's data plane calls it lost. The
+    FFN server rejoins afd-ctl; the new epoch reconnects both sides and requests succeed."""
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    ffn = Proc(
+        ffn_argv(tiny_model, daemon.address),
+        tmp_path / "ffn.log",
+        vllm_env({"AFD_STEP_TIMEOUT_S": "0.5"}),
+    )
+    procs.append(ffn)
+    port = free_port()
+    attention = Proc(
+        serve_argv(tiny_model, port, "--afd-role", "attention", "--afd-controller", daemon.address),
+        tmp_path / "attention.log",
+        vllm_env(),
+    )
+    procs.append(attention)
+    health = f"http://127.0.0.1:{port}/health"
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    wait_http_ok(health, 240, attention.popen)
+    body = {"model": str(tiny_model), "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    before = post_json(url, body)["choices"][0]["text"]
+
+    long_body = {**body, "max_tokens": 230, "stream": True}
+    for _ in range(5):  # a freeze that lands between two steps costs the FFN nothing: again
+        thread = threading.Thread(target=post_error, args=(url, long_body), daemon=True)
+        thread.start()
+        time.sleep(0.5)  # decoding
+        attention.signal(signal.SIGSTOP)
+        time.sleep(1.2)
+        attention.signal(signal.SIGCONT)
+        thread.join(60)
+        if "rejoin in a new epoch" in ffn.log():
+            break
+    assert "rejoin in a new epoch" in ffn.log(), ffn.tail()
+    deadline = time.monotonic() + 60
+    while True:
+        status, text = post_error(url, body)
+        if status == 200:
+            break
+        assert time.monotonic() < deadline, f"still failing: {status} {text}"
+        time.sleep(1)
+    assert json.loads(text)["choices"][0]["text"] == before
     assert attention.popen.poll() is None and ffn.popen.poll() is None
