@@ -83,24 +83,6 @@ def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: 
     return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config)
 
 
-def _connect(transport: Any, view: Any) -> None:
-    """Connects to the view's peers; a shape mismatch names the vLLM/AFD settings behind it."""
-    from afd_data.errors import AfdBadInput
-    from afd_data.rendezvous import peers_from_view
-
-    try:
-        transport.reconnect(view.epoch, peers_from_view(view))
-    except AfdBadInput as exc:
-        if "buffer shape differs" not in str(exc):
-            raise
-        raise AfdBadInput(
-            f"{exc}. With vLLM these follow from settings both roles must share: --dtype, the "
-            "model (hidden size, experts), afd max_tokens (or --max-num-batched-tokens), afd "
-            "gate, and on the FFN servers afd attention_tp_size = the attention servers' "
-            "--tensor-parallel-size"
-        ) from None
-
-
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
@@ -113,13 +95,55 @@ def _tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if t.dtype != dtype else t
 
 
-class AttentionExchange:
+class _Exchange:
+    """What both roles do with their transport: build it, rendezvous, size steps, close."""
+
+    ROLE = ""
+
     def __init__(
         self, *, name: str, rank: int, dtype: torch.dtype, router: tuple[int, str], **sizes: Any
     ) -> None:
         self.dtype = dtype
         self.router_dtype = _torch_dtype(router[1])
-        self.transport = _transport(name, "attention", rank, dtype=dtype, router=router, **sizes)
+        self.transport = _transport(name, self.ROLE, rank, dtype=dtype, router=router, **sizes)
+
+    def blob(self) -> bytes:
+        return self.transport.blob()
+
+    def connect(self, view: Any) -> None:
+        """Connects to the view's peers; a shape mismatch names the vLLM/AFD settings behind
+        it."""
+        from afd_data.errors import AfdBadInput
+        from afd_data.rendezvous import peers_from_view
+
+        try:
+            self.transport.reconnect(view.epoch, peers_from_view(view))
+        except AfdBadInput as exc:
+            if "buffer shape differs" not in str(exc):
+                raise
+            raise AfdBadInput(
+                f"{exc}. With vLLM these follow from settings both roles must share: --dtype, "
+                "the model (hidden size, experts), afd max_tokens (or --max-num-batched-tokens), "
+                "afd gate, and on the FFN servers afd attention_tp_size = the attention servers' "
+                "--tensor-parallel-size"
+            ) from None
+
+    def begin_step(self, shape: StepShape) -> None:
+        """Sizes the step; the FFN side also checks the payload's epoch (shape.epoch)."""
+        self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
+
+    def end_step(self) -> None:
+        self.transport.end_step()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class AttentionExchange(_Exchange):
+    ROLE = "attention"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         # Seconds spent staging and posting hidden states, and waiting for the outputs, over
         # `exchanges` layer exchanges (where a step's AFD time goes; see stats()).
         self.post_s = self.wait_s = 0.0
@@ -132,15 +156,6 @@ class AttentionExchange:
             "post_us_per_layer": 1e6 * self.post_s / n,
             "wait_us_per_layer": 1e6 * self.wait_s / n,
         }
-
-    def blob(self) -> bytes:
-        return self.transport.blob()
-
-    def connect(self, view: Any) -> None:
-        _connect(self.transport, view)
-
-    def begin_step(self, shape: StepShape) -> None:
-        self.transport.begin_step(shape.step_id, shape.per_stage())
 
     def exchange(
         self,
@@ -174,29 +189,9 @@ class AttentionExchange:
             out.add_(_tensor(extra, self.dtype)[:n])
         return out.view_as(hidden_states)
 
-    def end_step(self) -> None:
-        self.transport.end_step()
 
-    def close(self) -> None:
-        self.transport.close()
-
-
-class FfnExchange:
-    def __init__(
-        self, *, name: str, rank: int, dtype: torch.dtype, router: tuple[int, str], **sizes: Any
-    ) -> None:
-        self.dtype = dtype
-        self.router_dtype = _torch_dtype(router[1])
-        self.transport = _transport(name, "ffn", rank, dtype=dtype, router=router, **sizes)
-
-    def blob(self) -> bytes:
-        return self.transport.blob()
-
-    def connect(self, view: Any) -> None:
-        _connect(self.transport, view)
-
-    def begin_step(self, shape: StepShape) -> None:
-        self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
+class FfnExchange(_Exchange):
+    ROLE = "ffn"
 
     def recv(self, layer: int, stage: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every peer's rows, concatenated, and their router logits (gate on the attention
@@ -209,9 +204,3 @@ class FfnExchange:
         staged = self.transport.output_buffer(layer, stage)
         _tensor(staged, self.dtype).copy_(output)
         self.transport.send_output(layer, stage, staged)
-
-    def end_step(self) -> None:
-        self.transport.end_step()
-
-    def close(self) -> None:
-        self.transport.close()
