@@ -16,6 +16,7 @@ the daemon's liveness bound even when NIXL itself has not noticed yet.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from afd_ctl.client import ControllerClient
@@ -66,3 +67,35 @@ def follow_losses(client: ControllerClient, transport: NixlTransport) -> None:
             transport.mark_peer_lost(event.worker.role, event.worker.role_rank, event.reason)
 
     client.add_listener(on_event)
+
+
+class StuckLossWatch:
+    """A loss only this data plane saw: the transport lost a peer (a wait timed out), yet
+    afd-ctl still has a complete view in the transport's epoch, so no newer view will ever
+    come by itself. Once that has lasted ``client.rejoin_after_s``, ``check`` rejoins afd-ctl:
+    the new epoch makes every peer drop the stuck step and reconnect."""
+
+    def __init__(self, client: ControllerClient, transport: NixlTransport, who: str) -> None:
+        self._client = client
+        self._transport = transport
+        self._who = who
+        self._since: float | None = None
+
+    def reset(self) -> None:
+        """The transport is connected again: a later loss starts its own clock."""
+        self._since = None
+
+    def check(self) -> bool:
+        """True while the loss is only this data plane's (rejoining once it lasted long
+        enough); False, and the clock reset, otherwise."""
+        transport, view = self._transport, self._client.view
+        if transport.lost is None or not view.complete or view.epoch != transport.epoch:
+            self._since = None
+            return False
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        elif now - self._since >= self._client.rejoin_after_s:
+            self._since = None
+            self._client.rejoin(f"{self._who}: {transport.lost}")
+        return True

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +67,7 @@ class AttentionSession:
         self._shape: StepShape | None = None
         self._num_tokens = 0
         self._layers_done = 0
-        # When this data plane's current loss was first seen while afd-ctl saw no change.
-        self._lost_since: float | None = None
+        self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._client: Any = None
         self._exchange: AttentionExchange | None = None
         self._is_sender = False
@@ -79,7 +77,7 @@ class AttentionSession:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         from afd_ctl.client import ControllerClient, WorkerSpec
-        from afd_data.rendezvous import follow_losses
+        from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
         model_config = self.vllm_config.model_config
@@ -113,6 +111,9 @@ class AttentionSession:
         )
         self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
         follow_losses(self._client, self._exchange.transport)
+        self._loss_watch = StuckLossWatch(
+            self._client, self._exchange.transport, f"attention rank {self.role_rank}"
+        )
         registered = self._client.connect(timeout_s=afd.connect_timeout_s)
         view = self._client.wait_complete(timeout_s=afd.connect_timeout_s)
         self._is_sender = registered.is_sender
@@ -241,21 +242,15 @@ class AttentionSession:
 
         A loss only this data plane saw (afd-ctl still has everyone alive in the same epoch,
         so no newer view would ever come) makes this worker rejoin afd-ctl once it has lasted
-        `rejoin_after_s`: the new epoch makes every peer drop the stuck step and reconnect."""
+        `rejoin_after_s` (afd_data.rendezvous.StuckLossWatch)."""
         assert self._exchange is not None and self._client is not None
+        assert self._loss_watch is not None
         transport = self._exchange.transport
         view = self._client.view
         if transport.lost is None and view.complete and view.epoch == transport.epoch:
-            self._lost_since = None
+            self._loss_watch.reset()
             return
-        only_here = transport.lost is not None and view.complete and view.epoch == transport.epoch
-        if only_here:
-            now = time.monotonic()
-            if self._lost_since is None:
-                self._lost_since = now
-            elif now - self._lost_since >= self._client.rejoin_after_s:
-                self._lost_since = None
-                self._client.rejoin(f"attention rank {self.role_rank}: {transport.lost}")
+        only_here = self._loss_watch.check()
         try:
             view = self._client.wait_complete(
                 timeout_s=min(RECONNECT_WAIT_S, self.afd.step_timeout_s),
@@ -274,7 +269,7 @@ class AttentionSession:
                 "has not seen the FFN servers come back. Start them again; /health is 503 "
                 "until then"
             ) from None
-        self._lost_since = None
+        self._loss_watch.reset()
         self._client.discard_rejections()  # refusals of payloads from before the reconnect
         self._exchange.connect(view)
         log.warning(

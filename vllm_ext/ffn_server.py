@@ -74,6 +74,7 @@ class FfnWorker:
         self._leave_reason = "ffn server exiting"
         self._client: Any = None
         self._exchange: FfnExchange | None = None
+        self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
         self._profiler: Any = None
 
@@ -84,7 +85,7 @@ class FfnWorker:
 
     def run(self) -> int:
         from afd_ctl.client import ControllerClient, WorkerSpec
-        from afd_data.rendezvous import follow_losses
+        from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
         hf = self.vllm_config.model_config.hf_config
@@ -111,6 +112,9 @@ class FfnWorker:
         spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
         self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
         follow_losses(self._client, self._exchange.transport)
+        self._loss_watch = StuckLossWatch(
+            self._client, self._exchange.transport, f"ffn rank {afd.ffn_rank}"
+        )
         if afd.profile_dir:
             from vllm_ext.attention_session import _StepProfiler
 
@@ -146,7 +150,7 @@ class FfnWorker:
                     log.warning("afd ffn %s: %s", self.worker_id, exc)
                     assert self._exchange is not None
                     try:
-                        view = self._wait_for_peers(self._exchange.transport.epoch or 0, exc)
+                        view = self._wait_for_peers(self._exchange.transport.epoch or 0)
                     except AfdStopped as stopped:
                         log.info("afd ffn %s: %s; exiting", self.worker_id, stopped)
                         return 0
@@ -170,28 +174,26 @@ class FfnWorker:
         finally:
             self.close()
 
-    def _wait_for_peers(self, after_epoch: int, lost: Exception | None = None) -> Any:
+    def _wait_for_peers(self, after_epoch: int) -> Any:
         """The next complete view newer than `after_epoch`, or None once a stop is requested.
 
         An FFN server is a server: it waits for its attention peers as long as it runs (they
         may take many minutes to load a large model), logging every WAIT_LOG_S. After a loss
         that only the data plane saw (a wait timed out, yet afd-ctl still has everyone in the
-        same epoch), it rejoins afd-ctl after `rejoin_after_s`: the new epoch makes every peer
-        drop the stuck step and reconnect, instead of all waiting for each other."""
-        assert self._client is not None
+        same epoch), it rejoins afd-ctl after `rejoin_after_s` (StuckLossWatch): the new epoch
+        makes every peer drop the stuck step and reconnect, instead of all waiting for each
+        other."""
+        assert self._client is not None and self._loss_watch is not None
         started = time.monotonic()
         next_log = started + WAIT_LOG_S
-        rejoin_at = started + self._client.rejoin_after_s if lost is not None else None
         while not self._stop.is_set():
             try:
-                return self._client.wait_complete(timeout_s=POLL_S, after_epoch=after_epoch)
+                view = self._client.wait_complete(timeout_s=POLL_S, after_epoch=after_epoch)
+                self._loss_watch.reset()
+                return view
             except AfdTimeout as exc:
+                self._loss_watch.check()
                 now = time.monotonic()
-                if rejoin_at is not None and now >= rejoin_at:
-                    rejoin_at = None
-                    view = self._client.view
-                    if view.complete and view.epoch == after_epoch:
-                        self._client.rejoin(f"ffn rank {self.afd.ffn_rank}: {lost}")
                 if now >= next_log:
                     next_log = now + WAIT_LOG_S
                     log.info(
