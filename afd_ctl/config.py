@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -90,14 +90,25 @@ class DaemonConfig:
             raw = environ.get(ENV_PREFIX + field.name.upper())
             if raw is None or raw == "":
                 continue
-            kind = type(field.default)
-            try:
-                values[field.name] = kind(raw)
-            except ValueError as exc:
-                raise ValueError(
-                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {kind.__name__}"
-                ) from exc
+            values[field.name] = parse_setting(ENV_PREFIX + field.name.upper(), raw, field)
         return cls(**values)  # type: ignore[arg-type]
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+_KINDS: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def parse_setting(variable: str, raw: str, field: Field) -> object:
+    """An environment variable's text as the type of the dataclass `field` (int, float, str, or
+    bool: 1, true, yes or on, any case); ValueError naming the variable when it does not parse.
+    Used by every settings class (afd-ctl's, the data plane's, the vLLM extension's)."""
+    kind = field.type if isinstance(field.type, type) else _KINDS[str(field.type)]
+    if kind is bool:
+        return raw.strip().lower() in TRUE_WORDS
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{variable}={raw!r} is not a valid {kind.__name__}") from None
 
 
 def parse_listen(listen: str) -> tuple[str, int | None]:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from afd_ctl.config import parse_setting
 from afd_data.errors import AfdBadInput
 
 logger = logging.getLogger(__name__)
@@ -167,23 +168,14 @@ class TransportConfig:
             if field.name in flags and flags[field.name] is not None:
                 values[field.name] = flags[field.name]
                 continue
-            raw = env.get(ENV_PREFIX + field.name.upper())
+            variable = ENV_PREFIX + field.name.upper()
+            raw = env.get(variable)
             if raw is None:
                 continue
-            kind = field.type if isinstance(field.type, str) else field.type.__name__
             try:
-                if kind == "int":
-                    values[field.name] = int(raw)
-                elif kind == "float":
-                    values[field.name] = float(raw)
-                elif kind == "bool":
-                    values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                else:
-                    values[field.name] = raw
-            except ValueError:
-                raise AfdBadInput(
-                    f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {kind}"
-                ) from None
+                values[field.name] = parse_setting(variable, raw, field)
+            except ValueError as exc:
+                raise AfdBadInput(str(exc)) from None
         unknown = set(flags) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise AfdBadInput(f"unknown TransportConfig fields: {', '.join(sorted(unknown))}")

@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from afd_ctl.config import parse_setting
+
 ROLES = ("attention", "ffn")
 GATE_SIDES = ("ffn", "attention")
 ENV_PREFIX = "AFD_"
 # Keys accepted under additional_config["afd"]; each is also AFD_<KEY> in the environment.
-_BOOL_TRUE = {"1", "true", "yes", "on"}
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,7 @@ class AfdConfig:
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw is None or raw == "":
                 continue
-            default = f.default
-            if isinstance(default, bool):
-                values[name] = raw.lower() in _BOOL_TRUE
-            elif isinstance(default, int):
-                values[name] = int(raw)
-            elif isinstance(default, float):
-                values[name] = float(raw)
-            else:
-                values[name] = raw
+            values[name] = parse_setting(ENV_PREFIX + name.upper(), raw, f)
         if "role" not in values and "controller" not in values:
             return None
         if "role" not in values:
