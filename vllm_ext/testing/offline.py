@@ -34,6 +34,16 @@ CPU_ENV = {
 }
 
 
+# The engine settings of every offline run (the same as procs.ENGINE_FLAGS for `vllm serve`).
+LLM_KWARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "seed": 0,
+}
+
+
 def apply_cpu_env(overrides: dict[str, str] | None = None) -> None:
     """Sets CPU_ENV (then overrides) in os.environ unless already set; call before importing vLLM."""
     for key, value in {**CPU_ENV, **(overrides or {})}.items():
@@ -52,14 +62,7 @@ def generate(
     apply_cpu_env()
     from vllm import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": 256,
-        "max_num_seqs": 8,
-        "seed": 0,
-    }
-    kwargs.update(llm_kwargs)
+    kwargs = {**LLM_KWARGS, **llm_kwargs}
     t0 = time.perf_counter()
     llm = LLM(model=model, **kwargs)
     t1 = time.perf_counter()
@@ -90,14 +93,7 @@ def bench_decode(
     apply_cpu_env()
     from vllm import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": 256,
-        "max_num_seqs": 8,
-        "seed": 0,
-    }
-    kwargs.update(llm_kwargs)
+    kwargs = {**LLM_KWARGS, **llm_kwargs}
     llm = LLM(model=model, **kwargs)
     mlp_s = [0.0]
 
