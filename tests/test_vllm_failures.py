@@ -10,7 +10,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +65,56 @@ def wait_status(url: str, want: int, timeout_s: float) -> float:
     raise AssertionError(f"{url} did not answer {want} within {timeout_s} s")
 
 
+@dataclass
+class AfdServers:
+    """afd-ctl, one FFN `vllm serve` and one attention `vllm serve`, healthy."""
+
+    daemon: Any
+    ffn: Proc
+    attention: Proc
+    health: str
+    url: str
+    body: dict
+    before: str  # the answer to `body` while everything is up
+
+
+def start_afd_servers(
+    model: Path, start_daemon, procs: list[Proc], tmp_path: Path, *, dp: int = 1,
+    ffn_env: dict[str, str] | None = None, attention_env: dict[str, str] | None = None,
+) -> AfdServers:  # fmt: skip
+    daemon = start_daemon("--expect-attention", str(dp), "--expect-ffn", "1")
+    ffn = Proc(ffn_argv(model, daemon.address), tmp_path / "ffn.log", vllm_env(ffn_env))
+    procs.append(ffn)
+    port = free_port()
+    dp_flags = ["--data-parallel-size", str(dp)] if dp > 1 else []
+    attention = Proc(
+        serve_argv(
+            model, port, *dp_flags, "--afd-role", "attention", "--afd-controller", daemon.address
+        ),
+        tmp_path / "attention.log",
+        vllm_env(attention_env),
+    )
+    procs.append(attention)
+    health = f"http://127.0.0.1:{port}/health"
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    wait_http_ok(health, 240, attention.popen)
+    body = {"model": str(model), "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    before = post_json(url, body)["choices"][0]["text"]
+    return AfdServers(daemon, ffn, attention, health, url, body, before)
+
+
+def answered_again(servers: AfdServers, timeout_s: float = 60) -> str:
+    """Asks until the request succeeds again (failing meanwhile is expected); its text."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, text = post_error(servers.url, servers.body)
+        if status == 200:
+            return json.loads(text)["choices"][0]["text"]
+        assert time.monotonic() < deadline, f"still failing: {status} {text}"
+        time.sleep(1)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("dp", [1, 2])
 def test_ffn_kill_fails_the_request_and_attention_recovers(
@@ -70,25 +122,9 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
 ) -> None:
     """dp=2: `vllm serve --data-parallel-size 2`; the idle engine's dummy batches fail too
     while the FFN side is down, and both engines reconnect once it is back."""
-    daemon = start_daemon("--expect-attention", str(dp), "--expect-ffn", "1")
-    ffn = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn.log", vllm_env())
-    procs.append(ffn)
-    port = free_port()
-    attention = Proc(
-        serve_argv(
-            tiny_model, port, "--data-parallel-size", str(dp),
-            "--afd-role", "attention", "--afd-controller", daemon.address,
-        ),
-        tmp_path / "attention.log",
-        vllm_env(),
-    )  # fmt: skip
-    procs.append(attention)
-    health = f"http://127.0.0.1:{port}/health"
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    wait_http_ok(health, 240, attention.popen)
-    body = {"model": str(tiny_model), "prompt": "The capital of France is", "max_tokens": 12,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    before = post_json(url, body)["choices"][0]["text"]
+    servers = start_afd_servers(tiny_model, start_daemon, procs, tmp_path, dp=dp)
+    daemon, ffn, attention = servers.daemon, servers.ffn, servers.attention
+    health, url, body = servers.health, servers.url, servers.body
 
     # A long streamed request; kill -9 the FFN server once its tokens flow.
     long_body = {**body, "max_tokens": 230, "stream": True}
@@ -126,7 +162,7 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     ffn2 = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn2.log", vllm_env())
     procs.append(ffn2)
     wait_status(health, 200, 180)
-    assert post_json(url, body)["choices"][0]["text"] == before
+    assert post_json(url, body)["choices"][0]["text"] == servers.before
     log = attention.log()
     assert "failed 1 running request(s)" in log, attention.tail()
     assert log.count("reconnected to 1 ffn peer(s)") >= dp, attention.tail()
@@ -145,39 +181,20 @@ def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
     afd-ctl still sees everyone in the same epoch, so no new view would ever come by itself.
     The attention worker rejoins afd-ctl; the new epoch reconnects both sides and requests
     succeed again, without restarting anything."""
-    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    ffn = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn.log", vllm_env())
-    procs.append(ffn)
-    port = free_port()
-    attention = Proc(
-        serve_argv(tiny_model, port, "--afd-role", "attention", "--afd-controller", daemon.address),
-        tmp_path / "attention.log",
-        vllm_env({"AFD_STEP_TIMEOUT_S": "0.5"}),
+    servers = start_afd_servers(
+        tiny_model, start_daemon, procs, tmp_path, attention_env={"AFD_STEP_TIMEOUT_S": "0.5"}
     )
-    procs.append(attention)
-    health = f"http://127.0.0.1:{port}/health"
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    wait_http_ok(health, 240, attention.popen)
-    body = {"model": str(tiny_model), "prompt": "The capital of France is", "max_tokens": 12,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    before = post_json(url, body)["choices"][0]["text"]
+    ffn, attention = servers.ffn, servers.attention
 
     ffn.signal(signal.SIGSTOP)
     try:
-        status, _ = post_error(url, {**body, "max_tokens": 200})
+        status, _ = post_error(servers.url, {**servers.body, "max_tokens": 200})
         assert status == 503
     finally:
         time.sleep(0.5)
         ffn.signal(signal.SIGCONT)
     # Requests fail until the attention worker has rejoined, then succeed again.
-    deadline = time.monotonic() + 60
-    while True:
-        status, text = post_error(url, body)
-        if status == 200:
-            break
-        assert time.monotonic() < deadline, f"still failing: {status} {text}"
-        time.sleep(1)
-    assert json.loads(text)["choices"][0]["text"] == before
+    assert answered_again(servers) == servers.before
     assert "rejoining" in attention.log(), attention.tail()
     assert attention.popen.poll() is None and ffn.popen.poll() is None
 
@@ -189,30 +206,14 @@ def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
     """The attention server freezes (SIGSTOP) mid-decode for longer than the FFN server's
     step bound but not afd-ctl's liveness bound: only the FFN's data plane calls it lost. The
     FFN server rejoins afd-ctl; the new epoch reconnects both sides and requests succeed."""
-    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    ffn = Proc(
-        ffn_argv(tiny_model, daemon.address),
-        tmp_path / "ffn.log",
-        vllm_env({"AFD_STEP_TIMEOUT_S": "0.5"}),
+    servers = start_afd_servers(
+        tiny_model, start_daemon, procs, tmp_path, ffn_env={"AFD_STEP_TIMEOUT_S": "0.5"}
     )
-    procs.append(ffn)
-    port = free_port()
-    attention = Proc(
-        serve_argv(tiny_model, port, "--afd-role", "attention", "--afd-controller", daemon.address),
-        tmp_path / "attention.log",
-        vllm_env(),
-    )
-    procs.append(attention)
-    health = f"http://127.0.0.1:{port}/health"
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    wait_http_ok(health, 240, attention.popen)
-    body = {"model": str(tiny_model), "prompt": "The capital of France is", "max_tokens": 12,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    before = post_json(url, body)["choices"][0]["text"]
+    ffn, attention = servers.ffn, servers.attention
 
-    long_body = {**body, "max_tokens": 230, "stream": True}
+    long_body = {**servers.body, "max_tokens": 230, "stream": True}
     for _ in range(5):  # a freeze that lands between two steps costs the FFN nothing: again
-        thread = threading.Thread(target=post_error, args=(url, long_body), daemon=True)
+        thread = threading.Thread(target=post_error, args=(servers.url, long_body), daemon=True)
         thread.start()
         time.sleep(0.5)  # decoding
         attention.signal(signal.SIGSTOP)
@@ -222,12 +223,5 @@ def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
         if "rejoin in a new epoch" in ffn.log():
             break
     assert "rejoin in a new epoch" in ffn.log(), ffn.tail()
-    deadline = time.monotonic() + 60
-    while True:
-        status, text = post_error(url, body)
-        if status == 200:
-            break
-        assert time.monotonic() < deadline, f"still failing: {status} {text}"
-        time.sleep(1)
-    assert json.loads(text)["choices"][0]["text"] == before
+    assert answered_again(servers) == servers.before
     assert attention.popen.poll() is None and ffn.popen.poll() is None
