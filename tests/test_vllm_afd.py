@@ -58,6 +58,29 @@ def assert_same_generation(afd: dict, reference: dict) -> None:
         assert worst <= LOGPROB_TOL, f"{got['prompt']!r}: log-prob differs by {worst:.2e}"
 
 
+def start_ffn(
+    model: Path, daemon, procs: list[Proc], log_path: Path, *extra: str,
+    env: dict[str, str] | None = None,
+) -> Proc:  # fmt: skip
+    """`vllm serve --afd-role ffn` against the daemon."""
+    ffn = Proc(ffn_argv(model, daemon.address, *extra), log_path, vllm_env(env))
+    procs.append(ffn)
+    return ffn
+
+
+def start_attention(
+    model: Path, daemon, procs: list[Proc], log_path: Path, *extra: str,
+    env: dict[str, str] | None = None,
+) -> Proc:  # fmt: skip
+    """The offline LLM() as the AFD attention side (greedy, MAX_TOKENS unless `extra` says)."""
+    argv = offline_argv(model, "--max-tokens", str(MAX_TOKENS), *extra)
+    attention = Proc(
+        [*argv, "--afd-controller", daemon.address], log_path, vllm_env(env, in_process=True)
+    )
+    procs.append(attention)
+    return attention
+
+
 def daemon_status(address: str) -> dict:
     out = subprocess.run(
         [bin_path("afd-ctl"), "status", "--controller", address, "--json"],
@@ -80,14 +103,8 @@ def test_afd_1_attention_1_ffn_matches_colocated(
     # The per-role torch profiler switch, through the environment, on both roles.
     traces = tmp_path / "traces"
     profile = {"AFD_PROFILE_DIR": str(traces), "AFD_PROFILE_START_STEP": "4"}
-    ffn = Proc(ffn_argv(model, daemon.address), tmp_path / "ffn.log", vllm_env(profile))
-    procs.append(ffn)
-    attention = Proc(
-        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
-        tmp_path / "attention.log",
-        vllm_env(profile, in_process=True),
-    )
-    procs.append(attention)
+    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=profile)
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=profile)
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
 
@@ -120,20 +137,8 @@ def test_attention_tp2_to_one_ffn_matches_colocated(
     reference = colocated.json_report(timeout=300)
     colocated.stop()
     daemon = start_daemon("--expect-attention", "2", "--expect-ffn", "1")
-    ffn = Proc(
-        ffn_argv(model, daemon.address),
-        tmp_path / "ffn.log",
-        vllm_env({"AFD_ATTENTION_TP_SIZE": "2"}),
-    )
-    procs.append(ffn)
-    attention = Proc(
-        offline_argv(
-            model, "--max-tokens", str(MAX_TOKENS), *tp, "--afd-controller", daemon.address
-        ),
-        tmp_path / "attention.log",
-        vllm_env(in_process=True),
-    )
-    procs.append(attention)
+    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env={"AFD_ATTENTION_TP_SIZE": "2"})
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", *tp)
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
     log = attention.log()
@@ -149,14 +154,10 @@ def test_ffn_not_told_the_attention_tp_size_fails_clearly(
     connect and say which setting differs, instead of exchanging misplaced rows."""
     model = tiny_models[2]
     daemon = start_daemon("--expect-attention", "2", "--expect-ffn", "1")
-    ffn = Proc(ffn_argv(model, daemon.address), tmp_path / "ffn.log", vllm_env())
-    procs.append(ffn)
-    attention = Proc(
-        offline_argv(model, "--tensor-parallel-size", "2", "--afd-controller", daemon.address),
-        tmp_path / "attention.log",
-        vllm_env(in_process=True),
+    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log")
+    attention = start_attention(
+        model, daemon, procs, tmp_path / "attention.log", "--tensor-parallel-size", "2"
     )
-    procs.append(attention)
     assert attention.wait(240) != 0
     assert ffn.wait(60) != 0
     for proc in (attention, ffn):
@@ -174,14 +175,8 @@ def test_router_gate_on_the_attention_side_matches_colocated(
     reference = colocated_reference(model, 3, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     gate = {"AFD_GATE": "attention"}
-    ffn = Proc(ffn_argv(model, daemon.address), tmp_path / "ffn.log", vllm_env(gate))
-    procs.append(ffn)
-    attention = Proc(
-        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
-        tmp_path / "attention.log",
-        vllm_env(gate, in_process=True),
-    )
-    procs.append(attention)
+    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=gate)
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=gate)
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
     assert ffn.wait(30) == 0, ffn.tail()
@@ -197,21 +192,11 @@ def test_ffn_server_waits_for_a_slow_attention_side(
     model = tiny_models[2]
     reference = colocated_reference(model, 2, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    ffn = Proc(
-        ffn_argv(model, daemon.address),
-        tmp_path / "ffn.log",
-        vllm_env({"AFD_CONNECT_TIMEOUT_S": "2"}),
-    )
-    procs.append(ffn)
+    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env={"AFD_CONNECT_TIMEOUT_S": "2"})
     ffn.wait_for("registered as ffn rank 0", 180)
     time.sleep(5)  # well past the FFN server's connect_timeout_s
     assert ffn.popen.poll() is None, ffn.tail()
-    attention = Proc(
-        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
-        tmp_path / "attention.log",
-        vllm_env(in_process=True),
-    )
-    procs.append(attention)
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
     assert_same_generation(attention.json_report(timeout=300), reference)
     assert ffn.wait(30) == 0, ffn.tail()
 
@@ -228,19 +213,12 @@ def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
     ffns = []
     for rank in range(2):
         config = json.dumps({"afd": {"ffn_rank": rank}})
-        ffn = Proc(
-            ffn_argv(model, daemon.address, "--additional-config", config),
-            tmp_path / f"ffn-{rank}.log",
-            vllm_env(),
+        ffns.append(
+            start_ffn(
+                model, daemon, procs, tmp_path / f"ffn-{rank}.log", "--additional-config", config
+            )
         )
-        procs.append(ffn)
-        ffns.append(ffn)
-    attention = Proc(
-        offline_argv(model, "--max-tokens", str(MAX_TOKENS), "--afd-controller", daemon.address),
-        tmp_path / "attention.log",
-        vllm_env(in_process=True),
-    )
-    procs.append(attention)
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
     for rank, ffn in enumerate(ffns):
