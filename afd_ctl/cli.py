@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tls-key", default="", help="client key (mTLS)")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (5)")
 
-    status = sub.add_parser("status", help="health, epoch, workers per role, steps, lag")
+    status = sub.add_parser(
+        "status", help="health, epoch, workers per role, steps, lag, recent membership events"
+    )
     client_flags(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     workers = sub.add_parser("workers", help="list registered workers")
