@@ -30,6 +30,9 @@ class StepShape:
     step_id: int
     stages: dict[int, list[int]] = field(default_factory=dict)
     epoch: int | None = None
+    # A warm-up, profile or capture step (the payload's flags): the attention side may compile
+    # its model or capture CUDA graphs inside it, so its waits get the warm-up bound.
+    warmup: bool = False
 
     def per_stage(self) -> list[list[int]]:
         return [self.stages[s] for s in sorted(self.stages)]
@@ -80,7 +83,17 @@ def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: 
         router_dtype=router[1],
         attention_tp_size=attention_tp_size,
     )
-    return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config)
+    return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config, device=_device())
+
+
+def _device() -> str:
+    """Where the worker's model runs: its buffers live there (VRAM of the worker's current
+    CUDA device on GPU, so NIXL writes GPU to GPU; host DRAM on CPU)."""
+    from vllm_ext import compat
+
+    if compat.seams().on_cpu():
+        return "cpu"
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -101,11 +114,21 @@ class _Exchange:
     ROLE = ""
 
     def __init__(
-        self, *, name: str, rank: int, dtype: torch.dtype, router: tuple[int, str], **sizes: Any
+        self,
+        *,
+        name: str,
+        rank: int,
+        dtype: torch.dtype,
+        router: tuple[int, str],
+        warmup_timeout_s: float | None = None,
+        **sizes: Any,
     ) -> None:
         self.dtype = dtype
         self.router_dtype = _torch_dtype(router[1])
         self.transport = _transport(name, self.ROLE, rank, dtype=dtype, router=router, **sizes)
+        self.warmup_timeout_s = warmup_timeout_s
+        # This step's bound on each wait for the peers' rows or outputs (None: timeout_s).
+        self.wait_bound_s: float | None = None
 
     def blob(self) -> bytes:
         return self.transport.blob()
@@ -131,6 +154,7 @@ class _Exchange:
     def begin_step(self, shape: StepShape) -> None:
         """Sizes the step; the FFN side also checks the payload's epoch (shape.epoch)."""
         self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
+        self.wait_bound_s = self.warmup_timeout_s if shape.warmup else None
 
     def end_step(self) -> None:
         self.transport.end_step()
@@ -180,7 +204,7 @@ class AttentionExchange(_Exchange):
             raise RuntimeError("afd: router logits given but the data plane carries none")
         self.transport.send_hidden(layer, stage, staged, staged_router)
         t1 = time.perf_counter()
-        outputs = self.transport.recv_outputs(layer, stage)
+        outputs = self.transport.recv_outputs(layer, stage, timeout_s=self.wait_bound_s)
         self.post_s += t1 - t0
         self.wait_s += time.perf_counter() - t1
         self.exchanges += 1
@@ -196,7 +220,7 @@ class FfnExchange(_Exchange):
     def recv(self, layer: int, stage: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every peer's rows, concatenated, and their router logits (gate on the attention
         side) or None."""
-        batch = self.transport.recv_hidden(layer, stage)
+        batch = self.transport.recv_hidden(layer, stage, timeout_s=self.wait_bound_s)
         router = None if batch.router is None else _tensor(batch.router, self.router_dtype)
         return _tensor(batch.hidden, self.dtype), router
 

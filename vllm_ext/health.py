@@ -81,9 +81,9 @@ class AfdSideMonitor:
 
 def not_serving_error(problem: str) -> Exception:
     """An exception vLLM's /health route turns into 503."""
-    from vllm.v1.engine.exceptions import EngineDeadError
+    from vllm_ext import compat
 
-    class AfdNotServing(EngineDeadError):
+    class AfdNotServing(compat.seams().engine_dead_error()):  # type: ignore[misc]
         def __str__(self) -> str:
             return f"AFD not serving: {problem}"
 
@@ -108,7 +108,7 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
     def wrapped(self: Any, finish_reason: str | None, request_id: str) -> None:
         if finish_reason != "error":
             return raise_if_error(self, finish_reason, request_id)
-        from vllm.exceptions import RetryableRequestError
+        from vllm_ext import compat
 
         # Only the cached answer: this runs on the API server's event loop (check_health and
         # its thread keep it fresh).
@@ -123,7 +123,7 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
                 "FFN side is back."
             )
         log.error("afd: request %s failed in the engine (%s)", request_id, problem or "SERVING")
-        raise RetryableRequestError(
+        raise compat.seams().request_failed_error(
             f"The request failed: the AFD FFN side could not run its step. {detail}"
         )
 

@@ -34,6 +34,22 @@ CPU_ENV = {
 }
 
 
+def _installed_vllm_line() -> str:
+    """'0.26' or '0.32', read from the distribution metadata (vLLM itself is not imported)."""
+    import importlib.metadata
+
+    try:
+        return ".".join(importlib.metadata.version("vllm").split(".")[:2])
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+if _installed_vllm_line() == "0.26":
+    # vLLM 0.26's CPU platform has no MLA backend: DeepSeek runs there with standard attention
+    # (colocated and AFD alike, so their tokens still compare). MLA on 0.26 is checked on GPU.
+    CPU_ENV["VLLM_MLA_DISABLE"] = "1"
+
+
 # The engine settings of every offline run (the same as procs.ENGINE_FLAGS for `vllm serve`).
 LLM_KWARGS: dict[str, Any] = {
     "dtype": "float32",
