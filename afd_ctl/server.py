@@ -195,6 +195,11 @@ def bind_problem(listen: str, host: str, port: int | None) -> str | None:
                         f"cannot listen on {listen}: port {port} is already in use; stop what "
                         "holds it or pick another port (port 0: any free one)"
                     )
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return (
+                        f"cannot listen on {listen}: {host} is not an address of this machine; "
+                        "use one of its addresses, 127.0.0.1 or 0.0.0.0"
+                    )
                 return f"cannot listen on {listen}: {exc.strerror}"
     return None
 
