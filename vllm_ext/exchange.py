@@ -63,15 +63,24 @@ def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
                         f"({exc.code().name}); is `afd-ctl serve` running there?"
                     ) from None
                 if now >= next_log:
+                    if next_log == started:
+                        log.warning(
+                            "afd: afd-ctl at %s does not answer (%s); is `afd-ctl serve` running "
+                            "there? Retrying for up to %.0f s (afd connect_timeout_s)",
+                            controller,
+                            exc.code().name,
+                            timeout_s,
+                        )
+                    else:
+                        log.warning(
+                            "afd: afd-ctl at %s still does not answer after %.0f s (%s); "
+                            "retrying for another %.0f s",
+                            controller,
+                            now - started,
+                            exc.code().name,
+                            deadline - now,
+                        )
                     next_log = now + UNANSWERED_LOG_S
-                    log.warning(
-                        "afd: afd-ctl at %s does not answer (%s) after %.0f s; is `afd-ctl "
-                        "serve` running there? Retrying for up to %.0f s (afd connect_timeout_s)",
-                        controller,
-                        exc.code().name,
-                        now - started,
-                        timeout_s,
-                    )
                 time.sleep(0.5)
     finally:
         channel.close()
