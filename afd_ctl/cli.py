@@ -187,8 +187,12 @@ def run_client_command(args: argparse.Namespace) -> int:
         tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
     try:
         channel = open_channel(args.controller, tls)
-    except OSError as exc:  # a certificate file that cannot be read
-        print(f"afd-ctl {args.command}: {exc}", file=sys.stderr)
+    except OSError as exc:  # a certificate or key file that cannot be read
+        print(
+            f"afd-ctl {args.command}: cannot read {exc.filename}: {exc.strerror}; "
+            "check --tls-ca, --tls-cert and --tls-key",
+            file=sys.stderr,
+        )
         return 2
     stub = afd_pb2_grpc.AFDInspectStub(channel)
     metadata = auth_metadata(args.token)

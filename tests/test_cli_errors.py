@@ -133,6 +133,8 @@ def test_tls_client_certificate_is_used_without_tls_ca(start_daemon, pki: Path):
     )
     assert out.returncode == 0 and "NOT_SERVING" in out.stdout, out.stderr
     assert cli(["status", "--controller", daemon.address, "--tls-cert", "x.pem"]) == 2
+    missing = ["--tls-cert", "missing.pem", "--tls-key", "missing.key"]
+    assert cli(["status", "--controller", daemon.address, *missing]) == 2
 
 
 def test_watch_says_what_it_watches_before_any_event(start_daemon, procs, tmp_path: Path):
@@ -211,3 +213,10 @@ def test_control_hop_round_leaves_nothing_in_tmp(tmp_path: Path, monkeypatch):
     result = control_hop.run_round("floor", steps=20)
     assert result["lost"] == 0 and len(result["latencies_ns"]) == 20
     assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_answer_reads_as_text():
+    """Random weights give pieces of UTF-8 characters; the demo shows them as '?' on one line."""
+    from vllm_ext.demo import readable
+
+    assert readable("\ufffd\ufffdT dep\n\ufffdTTT") == "'??T dep??TTT'"
