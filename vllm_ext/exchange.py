@@ -22,6 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# While afd-ctl does not answer at start-up: say so at once, then this often.
+UNANSWERED_LOG_S = 10.0
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -45,7 +48,9 @@ def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
     from afd_ctl.channel import open_channel
     from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_log = started  # the first failure is said at once, then every UNANSWERED_LOG_S
     channel = open_channel(controller)
     try:
         stub = afd_pb2_grpc.AFDInspectStub(channel)
@@ -54,11 +59,31 @@ def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
                 status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=5)
                 break
             except grpc.RpcError as exc:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeoutError(
                         f"afd-ctl at {controller} did not answer within {timeout_s:.0f} s "
                         f"({exc.code().name}); is `afd-ctl serve` running there?"
                     ) from None
+                if now >= next_log:
+                    if next_log == started:
+                        log.warning(
+                            "afd: afd-ctl at %s does not answer (%s); is `afd-ctl serve` running "
+                            "there? Retrying for up to %.0f s (afd connect_timeout_s)",
+                            controller,
+                            exc.code().name,
+                            timeout_s,
+                        )
+                    else:
+                        log.warning(
+                            "afd: afd-ctl at %s still does not answer after %.0f s (%s); "
+                            "retrying for another %.0f s",
+                            controller,
+                            now - started,
+                            exc.code().name,
+                            deadline - now,
+                        )
+                    next_log = now + UNANSWERED_LOG_S
                 time.sleep(0.5)
     finally:
         channel.close()

@@ -6,9 +6,11 @@ a forward context per call) and nothing else: no KV cache, no attention weights,
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -96,8 +98,10 @@ def _init_one_rank_world(vllm_config: Any) -> None:
     seams = compat.seams()
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if seams.on_cpu():
-        path = tempfile.mktemp(prefix="afd-ffn-dist-")
-        method = f"file://{path}"
+        # The file store lives in a folder of our own, removed when the process exits.
+        folder = tempfile.mkdtemp(prefix="afd-ffn-dist-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        method = f"file://{folder}/store"
     else:
         method = f"tcp://127.0.0.1:{_free_port()}"
     seams.init_one_rank_world(vllm_config, method)

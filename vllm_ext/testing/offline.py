@@ -21,7 +21,10 @@ DEFAULT_PROMPTS = [
     "Hello, my name is",
 ]
 
-# Reproducible greedy outputs on CPU (see shared/notes/vllm-on-cpu.md).
+# vLLM on CPU, reproducibly (the README's serving recipe gives the same settings):
+# VLLM_HOST_IP skips vLLM's lookup of this host's network address; VLLM_CPU_KVCACHE_SPACE is
+# the KV cache in GiB (vLLM's default asks for more memory than a small machine has);
+# one OpenMP thread, unbound, for the same greedy outputs in every process; no hub lookups.
 TIMINGS: dict[str, float] = {}
 
 CPU_ENV = {

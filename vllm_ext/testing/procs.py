@@ -22,7 +22,7 @@ def bin_path(name: str) -> str:
 
 
 def vllm_env(extra: dict[str, str] | None = None, *, in_process: bool = False) -> dict[str, str]:
-    """CPU settings for reproducible greedy outputs (shared/notes/vllm-on-cpu.md)."""
+    """CPU settings for reproducible greedy outputs (offline.CPU_ENV says why each)."""
     env = {k: v for k, v in CPU_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
