@@ -4,12 +4,14 @@
 #
 #   bash tests/gpu/run_gpu_check.sh GROUP...      GROUP: pairs topologies failure
 #
-# Logs and cases-<group>.jsonl go to $OUT (default ./gpu-out); tests/gpu/collect_results.py
-# turns them into the committed benchmarks/results/<date>_<machine>_vllm_gpu.json.
+# It works in $WORK (default /tmp/afd-gpu-check: models, logs, cases-<group>.jsonl), then copies
+# the cases, machine.txt and the logs (logs-<group>.tar.gz) to $OUT (default ./gpu-out).
+# tests/gpu/collect_results.py turns cases into benchmarks/results/<date>_<machine>_vllm_gpu.json.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/afd-gpu-check}
+mkdir -p "$OUT" "$WORK"
 # The plugin is found through its entry point: without a pip install of this checkout, a
 # dist-info folder on the path declares it (vllm.general_plugins -> vllm_ext:register).
 META=/tmp/afd-meta/afd_ctl-0.1.0.dist-info
@@ -24,11 +26,13 @@ export VLLM_HOST_IP=127.0.0.1
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
   git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo "commit unknown"
   python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
-} > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+} > "$WORK/machine.txt" 2>&1
+cat "$WORK/machine.txt"
 rc=0
 for group in "$@"; do
   echo "== group $group ($(date +%T))"
-  python3 "$ROOT/tests/gpu/gpu_vllm_check.py" --out "$OUT" --group "$group" || rc=1
+  python3 "$ROOT/tests/gpu/gpu_vllm_check.py" --out "$WORK" --group "$group" || rc=1
+  cp "$WORK"/cases-*.jsonl "$WORK/machine.txt" "$OUT"/ 2>/dev/null
+  tar czf "$OUT/logs-$group.tar.gz" -C "$WORK" logs 2>/dev/null
 done
 exit $rc
