@@ -382,10 +382,11 @@ def _status(url: str) -> int | None:
 
 # -- groups ----------------------------------------------------------------------------------
 def models_dir(out: Path, versions: list[int]) -> dict[int, Path]:
-    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+    from vllm_ext.testing.tiny_deepseek import GPU_HEAD_DIM, build_tiny_deepseek
 
     root = out / "models"
-    return {v: build_tiny_deepseek(root / f"tiny-v{v}", version=v) for v in versions}
+    head_dim = {} if ON_CPU else {"head_dim": GPU_HEAD_DIM}
+    return {v: build_tiny_deepseek(root / f"tiny-v{v}", version=v, **head_dim) for v in versions}
 
 
 def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]]:
