@@ -297,9 +297,11 @@ def serve_ffn(args: argparse.Namespace) -> None:
     from vllm_ext import compat
 
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    _, async_engine_args = compat.seams().engine_args_classes()
+    seams = compat.seams()
+    _, async_engine_args = seams.engine_args_classes()
     engine_args = async_engine_args.from_cli_args(args)
-    vllm_config = engine_args.create_engine_config()
+    # As `vllm serve` creates it for the attention role: the same defaults on both sides.
+    vllm_config = engine_args.create_engine_config(usage_context=seams.serve_usage_context())
     afd = from_vllm_config(vllm_config)
     if afd is None or afd.role != "ffn":
         raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")

@@ -71,6 +71,9 @@ def base_flags(mode: str, memory: float) -> list[str]:
     flags = [
         "--dtype", "float32" if ON_CPU else "bfloat16", "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
         "--gpu-memory-utilization", str(memory),
+        # An explicit KV cache size: several servers start at once on one GPU, and vLLM's
+        # memory profiling would count the others' allocations as its own.
+        "--kv-cache-memory-bytes", str(2 << 30),
     ]  # fmt: skip
     if mode == "eager":
         return [*flags, "--enforce-eager"]
@@ -317,7 +320,7 @@ def failure_case(out: Path, results: Path, model: Path, label: str) -> dict[str,
                 topology=topology("2gpu-kill9"), cudagraph_mode="NONE")  # fmt: skip
     try:
         flags = base_flags("eager", 0.2)
-        flags[flags.index("512")] = "8192"  # --max-model-len: a request long enough to kill
+        flags[flags.index("512")] = "2048"  # --max-model-len: a request long enough to kill
         daemon = case.daemon(1, 1)
         ffn_argv = vllm_argv(model, *flags, "--afd-role", "ffn", "--afd-controller", daemon.address)
         ffn = case.start(ffn_argv, "ffn", gpu_env(order(1)))
@@ -329,7 +332,7 @@ def failure_case(out: Path, results: Path, model: Path, label: str) -> dict[str,
 
         def long_request() -> None:
             try:
-                complete(port, model, PROMPTS[1], max_tokens=6000, timeout_s=120)
+                complete(port, model, PROMPTS[1], max_tokens=1900, timeout_s=120)
                 outcome["status"] = 200
             except urllib.error.HTTPError as err:
                 outcome.update(status=err.code, body=err.read().decode()[:600])
@@ -338,7 +341,7 @@ def failure_case(out: Path, results: Path, model: Path, label: str) -> dict[str,
 
         thread = threading.Thread(target=long_request)
         thread.start()
-        time.sleep(1.5)  # the request is decoding (6000 tokens take several seconds)
+        time.sleep(1.0)  # the request is decoding (1900 tokens take several seconds)
         t_kill = time.monotonic()
         ffn.signal(signal.SIGKILL)
         thread.join(60)

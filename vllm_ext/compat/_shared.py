@@ -19,7 +19,8 @@ from typing import Any
 SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vllm.engine.arg_utils", "EngineArgs.add_cli_args", ("parser",)),
     ("vllm.engine.arg_utils", "EngineArgs.from_cli_args", ("args",)),
-    ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", ("self",)),
+    ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", ("self", "usage_context")),
+    ("vllm.usage.usage_lib", "UsageContext.OPENAI_API_SERVER", ()),
     ("vllm.engine.arg_utils", "AsyncEngineArgs.from_cli_args", ("args",)),
     ("vllm.entrypoints.cli.serve", "ServeSubcommand.cmd", ("args",)),
     ("vllm.v1.engine.core", "EngineCore.shutdown", ("self",)),
@@ -103,6 +104,15 @@ def engine_args_classes() -> tuple[type, type]:
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
     return EngineArgs, AsyncEngineArgs
+
+
+def serve_usage_context() -> Any:
+    """What `vllm serve` passes to create_engine_config (vllm/usage/usage_lib.py): some
+    defaults (max_num_batched_tokens on GPU) depend on it, and the FFN server must size its data
+    plane exactly as the attention `vllm serve` does."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.OPENAI_API_SERVER
 
 
 def flexible_argument_parser() -> type:

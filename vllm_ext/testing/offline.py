@@ -58,6 +58,7 @@ LLM_KWARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
     "max_model_len": 256,
+    "max_num_batched_tokens": 512,
     "max_num_seqs": 8,
     "seed": 0,
 }

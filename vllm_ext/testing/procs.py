@@ -13,7 +13,12 @@ from pathlib import Path
 from vllm_ext.testing.offline import CPU_ENV
 
 # Same engine settings for every side so that colocated and AFD runs are comparable.
-ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0"]
+# --max-num-batched-tokens sizes the data plane, which both roles must agree on: explicit here
+# because vLLM's default differs between `vllm serve` and the offline LLM() the tests also use.
+ENGINE_FLAGS = [
+    "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
+    "--max-num-batched-tokens", "512",
+]  # fmt: skip
 
 
 def bin_path(name: str) -> str:
