@@ -28,11 +28,20 @@ export VLLM_HOST_IP=127.0.0.1
   python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
 } > "$WORK/machine.txt" 2>&1
 cat "$WORK/machine.txt"
+# PARALLEL=1 runs the groups at once (each server has its own port; the KV cache size is fixed).
+run_group() {
+  python3 "$ROOT/tests/gpu/gpu_vllm_check.py" --out "$WORK" --group "$1" > "$WORK/run-$1.txt" 2>&1
+  local code=$?
+  grep -v "^INFO\|^WARNING\|^DEBUG" "$WORK/run-$1.txt" | cut -c1-400
+  cp "$WORK"/cases-*.jsonl "$WORK/machine.txt" "$OUT"/ 2>/dev/null
+  tar czf "$OUT/logs-$1.tar.gz" -C "$WORK" logs 2>/dev/null
+  return $code
+}
 rc=0
+pids=()
 for group in "$@"; do
   echo "== group $group ($(date +%T))"
-  python3 "$ROOT/tests/gpu/gpu_vllm_check.py" --out "$WORK" --group "$group" || rc=1
-  cp "$WORK"/cases-*.jsonl "$WORK/machine.txt" "$OUT"/ 2>/dev/null
-  tar czf "$OUT/logs-$group.tar.gz" -C "$WORK" logs 2>/dev/null
+  if [ "${PARALLEL:-0}" = 1 ]; then run_group "$group" & pids+=($!); else run_group "$group" || rc=1; fi
 done
+for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
 exit $rc
