@@ -87,6 +87,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         ("vllm_config", "rank", "distributed_init_method", "local_rank", "backend"),
     ),
     ("vllm.distributed.parallel_state", "model_parallel_is_initialized", ()),
+    ("vllm.v1.worker.workspace", "init_workspace_manager", ("device", "num_ubatches")),
     ("vllm.distributed", "get_tensor_model_parallel_rank", ()),
     ("vllm.v1.engine", "EngineCoreOutput", ()),
     ("vllm.v1.engine", "EngineCoreOutputs", ()),
@@ -322,6 +323,13 @@ def init_one_rank_world(vllm_config: Any, init_method: str) -> bool:
         local_rank=0,
         backend=current_platform().dist_backend,
     )
+    if not on_cpu():
+        # vLLM's GPU MoE kernels take scratch memory from the workspace manager, which the GPU
+        # worker's init_device sets up (vllm/v1/worker/workspace.py).
+        import torch
+        from vllm.v1.worker.workspace import init_workspace_manager
+
+        init_workspace_manager(torch.device("cuda", torch.cuda.current_device()), 1)
     return True
 
 
