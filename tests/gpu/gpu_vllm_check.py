@@ -403,12 +403,12 @@ def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]
     for v, model in models.items():
         label = f"deepseek-v{v}"
         if group == "pairs":
+            for mode in MODES:  # every mode at once: the servers have their own ports
 
-            def pairs(model: Path = model, label: str = label) -> None:
-                for mode in MODES:
+                def pair(model: Path = model, label: str = label, mode: str = mode) -> None:
                     afd_case(out, results, model, label, mode, topology("2gpu"))
 
-            jobs.append(pairs)
+                jobs.append(pair)
         elif group == "topologies":
 
             def topologies(model: Path = model, label: str = label, v: int = v) -> None:
