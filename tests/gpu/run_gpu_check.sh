@@ -30,7 +30,9 @@ export VLLM_HOST_IP=127.0.0.1
 cat "$WORK/machine.txt"
 # PARALLEL=1 runs the groups at once (each server has its own port; the KV cache size is fixed).
 run_group() {
-  python3 "$ROOT/tests/gpu/gpu_vllm_check.py" --out "$WORK" --group "$1" > "$WORK/run-$1.txt" 2>&1
+  # shellcheck disable=SC2086  # GPU_CHECK_ARGS: extra options, e.g. --modes eager,default
+  python3 "$ROOT/tests/gpu/gpu_vllm_check.py" --out "$WORK" --group "$1" ${GPU_CHECK_ARGS:-} \
+    > "$WORK/run-$1.txt" 2>&1
   local code=$?
   grep -v "^INFO\|^WARNING\|^DEBUG" "$WORK/run-$1.txt" | cut -c1-400
   cp "$WORK"/cases-*.jsonl "$WORK/machine.txt" "$OUT"/ 2>/dev/null
