@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--drain-grace-s", type=float, metavar="S", help="SIGTERM/stop grace before exit (5.0)"
     )
-    serve.add_argument("--metrics-port", type=int, help="Prometheus text on this port (0: off)")
+    serve.add_argument(
+        "--metrics-port", type=int, help="Prometheus text on this port (0: off, -1: any free)"
+    )
     serve.add_argument("--metrics-host", help="bind address for metrics (127.0.0.1)")
     serve.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     serve.add_argument("--tls-key", metavar="PEM", help="server private key")
