@@ -11,7 +11,9 @@ import threading
 from pathlib import Path
 from typing import IO
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from afd_ctl.client import ControllerClient
 from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
@@ -167,3 +169,20 @@ def test_prometheus_metrics(start_daemon):
     assert 'afd_ctl_workers_registered{role="ffn"} 1.0' in text
     assert 'afd_ctl_workers_expected{role="attention"} 1.0' in text
     assert "afd_ctl_serving 0.0" in text and "afd_ctl_epoch " in text
+
+
+def test_grpcurl_health_check_on_a_token_daemon(start_daemon):
+    """The README's health example on a daemon with a token: grpcurl needs the header (its
+    reflection lookup is not exempt); the health check itself is (probes call it bare)."""
+    daemon = start_daemon("--auth-token", "tok3n")
+    check = ("grpc.health.v1.Health/Check",)
+    bare = grpcurl(daemon.address, *check, flags=("-d", '{"service": ""}'))
+    assert bare.returncode != 0 and "authorization metadata is missing" in bare.stderr, bare
+    header = ("-H", "authorization: Bearer tok3n", "-d", '{"service": ""}')
+    with_token = grpcurl(daemon.address, *check, flags=header)
+    assert with_token.returncode == 0, with_token.stderr
+    assert json.loads(with_token.stdout)["status"] == "NOT_SERVING"
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
