@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from afd_ctl.client import ControllerClient
 from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdStaleEpoch, AfdStopped
@@ -28,6 +30,7 @@ LIVENESS_S = 2.0
 SLACK_S = 1.0  # process scheduling on a loaded 2-core machine
 
 Kind = afd_pb2.MembershipEvent.Kind
+SERVING = HealthCheckResponse.SERVING
 
 
 class Watcher:
@@ -173,12 +176,21 @@ def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, pro
     ]
     procs.extend(ffn)
     attn = client(daemon, "attn-0", ATTENTION)
+    channel = grpc.insecure_channel(daemon.address)
+    watch = HealthStub(channel).Watch(
+        HealthCheckRequest(service="afd.v1.AFDController"), timeout=60
+    )
     try:
         attn.wait_complete(10)
+        statuses = [next(watch).status]
+        while statuses[-1] != SERVING:
+            statuses.append(next(watch).status)
         publish_steps(attn, 1, 20)
         attn.flush()
         daemon.signal(signal.SIGTERM)
         daemon.signal(signal.SIGTERM)  # idempotent
+        # Health goes NOT_SERVING on drain (and nothing turns it back) before the daemon goes.
+        assert next(watch).status == HealthCheckResponse.NOT_SERVING
         for proc in ffn:
             report = proc.json_report(10)
             assert report["received"] == 20 and "SIGTERM received" in report["stopped"]
@@ -186,6 +198,7 @@ def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, pro
         assert daemon.wait(5) == 0
         assert "draining: SIGTERM received" in daemon.log()
     finally:
+        channel.close()
         attn.close()
 
 
