@@ -479,14 +479,19 @@ class ControllerClient:
             self._publish_queue.put(None)
         self._publish_queue = self._publish_call = None
 
+    def _is_current(self, requests: queue.SimpleQueue) -> bool:
+        with self._publish_lock:
+            return self._publish_queue is requests
+
     def _read_acks(self, call: Iterator[afd_pb2.PublishAck], requests: queue.SimpleQueue) -> None:
         try:
             for ack in call:
-                self._rejections.append(_rejection(ack.rejected))
+                if self._is_current(requests):  # a retired stream's are about an old session
+                    self._rejections.append(_rejection(ack.rejected))
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 log.warning("publish stream ended: %s: %s", exc.code().name, exc.details())
-                if exc.code() in PERMANENT_CODES:
+                if exc.code() in PERMANENT_CODES and self._is_current(requests):
                     self._rejections.append(AfdRejected(exc.code().name, exc.details() or ""))
 
         with self._publish_lock:

@@ -182,9 +182,18 @@ def test_malformed_bytes_on_every_rpc_are_invalid_argument_naming_the_message(st
                     "grpc.reflection.v1alpha.ServerReflectionRequest",
                 ),
             ]
+            # After a good registration, too (the daemon reads those in a task of its own).
+            register = afd_pb2.RegisterRequest(
+                role=afd_pb2.FFN, worker_id="f", dp_size=1, tp_size=1
+            )
+            first = afd_pb2.SessionRequest(register=register).SerializeToString()
+            streams.append(
+                ("/afd.v1.AFDController/Session", (), [first, garbage], "SessionRequest")
+            )
             for method, metadata, data, text in streams:
                 stream = channel.stream_stream(method, **IDENTITY)
-                error = raw_error(stream(iter([data]), metadata=metadata, timeout=10))
+                messages = data if isinstance(data, list) else [data]
+                error = raw_error(stream(iter(messages), metadata=metadata, timeout=10))
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error)
                 assert text in error.details(), (method, error.details())
             status = afd_pb2_grpc.AFDInspectStub(channel).GetStatus(afd_pb2.GetStatusRequest())
@@ -193,7 +202,7 @@ def test_malformed_bytes_on_every_rpc_are_invalid_argument_naming_the_message(st
     finally:
         attn.close()
     log = daemon.log()
-    assert "malformed request refused" in log
+    assert "malformed request refused" in log and "malformed Session message" in log
     assert "Traceback" not in log and "Unexpected" not in log, log
 
 
