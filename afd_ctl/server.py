@@ -98,9 +98,10 @@ class ControllerServer:
         self.address = self._bind(server)
         self.controller.listen_address = self.address
         self._server = server
-        await self._set_health(self.controller.health)
+        applied = self.controller.health
+        await self._set_health(applied)
         self.controller.health_listeners.append(self._health_updates.put_nowait)
-        self._health_task = asyncio.get_running_loop().create_task(self._apply_health())
+        self._health_task = asyncio.get_running_loop().create_task(self._apply_health(applied))
         await server.start()
         log.info(
             "afd-ctl listening on %s (tls=%s, token=%s); expecting %d attention, %d ffn; "
@@ -140,14 +141,18 @@ class ControllerServer:
         for service in ("", *SERVICE_NAMES):
             await self.health.set(service, value)
 
-    async def _apply_health(self) -> None:
+    async def _apply_health(self, applied: str) -> None:
+        """Applies queued health changes in order; `applied` is the state already set."""
         while True:
             status = await self._health_updates.get()
+            if status == applied:
+                continue
             if status == "DRAINING":
                 # NOT_SERVING for every service, and no later change turns it back.
                 await self.health.enter_graceful_shutdown()
                 return
             await self._set_health(status)
+            applied = status
 
     def request_drain(self, reason: str) -> int:
         """Idempotent: STOP to every worker, then exit within the drain grace."""
