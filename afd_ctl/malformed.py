@@ -22,6 +22,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from afd_ctl.logs import RateLimitedLog, clip
 
 log = logging.getLogger(__name__)
+# How deep `locate` follows nested messages looking for the field to blame.
+MAX_DEPTH = 16
 
 
 class MalformedRequest(Exception):
@@ -56,9 +58,11 @@ def _varint(data: bytes, pos: int) -> tuple[int, int] | None:
     return None
 
 
-def locate(data: bytes, descriptor: Descriptor) -> str:
+def locate(data: bytes, descriptor: Descriptor, depth: int = 0) -> str:
     """Where `data` stops being a valid `descriptor` message, as "field name: problem" (nested
-    fields joined by dots); "" when no single field is to blame."""
+    fields joined by dots); "" when no single field is to blame (or it is nested too deep)."""
+    if depth > MAX_DEPTH:
+        return ""
     pos = 0
     while pos < len(data):
         start = pos
@@ -91,7 +95,7 @@ def locate(data: bytes, descriptor: Descriptor) -> str:
             if field is None:
                 continue
             if field.type == FieldDescriptor.TYPE_MESSAGE:
-                inner = locate(body, field.message_type)
+                inner = locate(body, field.message_type, depth + 1)
                 if inner:
                     return f"{name}.{inner}" if not inner.startswith("byte") else f"{name}: {inner}"
             elif field.type == FieldDescriptor.TYPE_STRING:
@@ -100,7 +104,7 @@ def locate(data: bytes, descriptor: Descriptor) -> str:
                 except UnicodeDecodeError:
                     return f"{name}: not valid UTF-8"
         else:
-            return f"{name}: wire type {wire} is not used by afd.v1"
+            return f"{name}: wire type {wire} is not valid here"
     return ""
 
 

@@ -62,8 +62,10 @@ class AFDControllerServicer:
         heartbeats flow. The worker sends `register` first, then heartbeats; the daemon answers
         `registered`, then payloads (FFN workers), membership events and heartbeats. The stream
         ends with a status when registration is refused (ALREADY_EXISTS, INVALID_ARGUMENT,
-        UNAUTHENTICATED, UNAVAILABLE while draining), when the worker falls behind
-        (RESOURCE_EXHAUSTED) or when it stops sending heartbeats (UNAVAILABLE).
+        UNAUTHENTICATED, UNAVAILABLE while draining), when a message does not parse
+        (INVALID_ARGUMENT), when the worker falls behind by --subscriber-queue messages
+        (RESOURCE_EXHAUSTED, seen after what was already in flight) or when it stops sending
+        heartbeats (UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
