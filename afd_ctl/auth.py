@@ -1,4 +1,7 @@
-"""Bearer-token check for every RPC except grpc.health.v1 (load balancers probe it bare)."""
+"""Bearer-token check for every RPC except grpc.health.v1 (load balancers probe it bare).
+
+Reflection is not exempt: it is part of the API like any other service, so grpcurl needs the
+header too (README: `-H 'authorization: Bearer TOKEN'`)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._token = token.encode()
 
     async def intercept_service(
         self,
@@ -25,13 +28,17 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = dict(details.invocation_metadata or ())
         given = metadata.get("authorization", "")
-        if given and hmac.compare_digest(given.encode(), self._expected):
+        # RFC 7235: the scheme is case-insensitive ("bearer" too); the token is compared as is.
+        scheme, _, token = given.strip().partition(" ")
+        is_bearer = scheme.lower() == "bearer"
+        if is_bearer and hmac.compare_digest(token.strip().encode(), self._token):
             return handler
-        message = (
-            "authorization metadata is missing: send 'authorization: Bearer TOKEN'"
-            if not given
-            else "authorization token is wrong"
-        )
+        if not given:
+            message = "authorization metadata is missing: send 'authorization: Bearer TOKEN'"
+        elif not is_bearer:
+            message = "authorization metadata is not a Bearer token: send 'Bearer TOKEN'"
+        else:
+            message = "authorization token is wrong"
         return _denying_handler(handler, message)
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import grpc.experimental
+
+from afd_ctl.tls import channel_credentials
 
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
 
@@ -51,6 +52,8 @@ class ClientTls:
 def open_channel(
     target: str, tls: ClientTls | None = None, liveness_timeout_s: float = 2.0
 ) -> grpc.Channel:
+    """A channel to the daemon; afd_ctl.tls.TlsFileError (one line naming the file) when a TLS
+    file is missing or bad."""
     options: list[tuple[str, object]] = [
         *keepalive_options(liveness_timeout_s),
         ("grpc.max_receive_message_length", 64 << 20),
@@ -65,13 +68,10 @@ def open_channel(
         return grpc.insecure_channel(target, options=options)
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=Path(tls.ca_cert).read_bytes() if tls.ca_cert else None,
-        private_key=Path(tls.client_key).read_bytes() if tls.client_key else None,
-        certificate_chain=Path(tls.client_cert).read_bytes() if tls.client_cert else None,
-    )
+    credentials = channel_credentials(tls.ca_cert, tls.client_cert, tls.client_key)
     return grpc.secure_channel(target, credentials, options=options)
 
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The token as call metadata (the daemon takes the scheme in any case, RFC 7235)."""
     return (("authorization", f"Bearer {token}"),) if token else ()

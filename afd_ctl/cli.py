@@ -17,6 +17,7 @@ from google.protobuf import json_format
 from afd_ctl import __version__
 from afd_ctl.channel import DEFAULT_CONTROLLER, ClientTls, auth_metadata, open_channel
 from afd_ctl.config import DaemonConfig
+from afd_ctl.tls import TlsFileError
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
 ROLE_NAMES = {"attention": afd_pb2.ATTENTION, "ffn": afd_pb2.FFN, "all": afd_pb2.ROLE_UNSPECIFIED}
@@ -56,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--drain-grace-s", type=float, metavar="S", help="SIGTERM/stop grace before exit (5.0)"
     )
-    serve.add_argument("--metrics-port", type=int, help="Prometheus text on this port (0: off)")
+    serve.add_argument(
+        "--metrics-port", type=int, help="Prometheus text on this port (0: off, -1: any free)"
+    )
     serve.add_argument("--metrics-host", help="bind address for metrics (127.0.0.1)")
     serve.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
     serve.add_argument("--tls-key", metavar="PEM", help="server private key")
@@ -143,6 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_client_command(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return stdout_closed()
+
+
+def stdout_closed() -> int:
+    """`afd-ctl status | head`: the reader went away. Quietly, like other Unix tools: point
+    stdout at /dev/null so the interpreter's final flush does not complain either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -176,23 +190,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
-    if bool(args.tls_cert) != bool(args.tls_key):
-        print(
-            f"afd-ctl {args.command}: --tls-cert and --tls-key go together: give both or neither",
-            file=sys.stderr,
-        )
-        return 2
     tls = None
-    if args.tls_ca or args.tls_cert:
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        # Without --tls-ca the system's CAs check the daemon; a client pair is for mTLS.
         tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
     try:
         channel = open_channel(args.controller, tls)
-    except OSError as exc:  # a certificate or key file that cannot be read
-        print(
-            f"afd-ctl {args.command}: cannot read {exc.filename}: {exc.strerror}; "
-            "check --tls-ca, --tls-cert and --tls-key",
-            file=sys.stderr,
-        )
+    except TlsFileError as exc:  # a missing, unreadable or malformed file, or half a pair
+        print(f"afd-ctl {args.command}: {exc}", file=sys.stderr)
         return 2
     stub = afd_pb2_grpc.AFDInspectStub(channel)
     metadata = auth_metadata(args.token)
@@ -253,8 +258,10 @@ def to_json(message: object, indent: int | None = 2) -> str:
 
 
 def format_status(status: afd_pb2.Status) -> str:
+    # health_state is the enum; an older daemon only fills the word.
+    health = afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
     lines = [
-        f"health      {status.health}",
+        f"health      {health}",
         f"epoch       {status.epoch}   (incarnation {status.controller_incarnation})",
         f"listen      {status.listen}   uptime {status.uptime_s:.0f} s",
         f"steps       {status.steps_relayed} relayed, last step id {status.last_step_id}, "

@@ -43,7 +43,7 @@ from afd_ctl.errors import (
 )
 from afd_ctl.membership import WorkerSpec
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
-from afd_ctl.wire import ROLE_TO_PROTO, WORKER_ID_METADATA
+from afd_ctl.wire import PUBLISH_SECRET_METADATA, ROLE_TO_PROTO, WORKER_ID_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,17 @@ Kind = afd_pb2.MembershipEvent.Kind
 EventListener = Callable[[afd_pb2.MembershipEvent], None]
 
 
-def _rejection(code_value: int, message: str) -> AfdRejected:
-    name = next((c.name for c in grpc.StatusCode if c.value[0] == code_value), str(code_value))
-    if name == "FAILED_PRECONDITION" and "epoch" in message:
-        return AfdStaleEpoch(name, message)
-    return AfdRejected(name, message)
+Reason = afd_pb2.PublishRejected.Reason
+# Refusals that mean "your view is out of date": refresh it (wait_complete) and resend.
+STALE_REASONS = (Reason.STALE_EPOCH, Reason.SESSION_ENDED)
+
+
+def _rejection(rejected: afd_pb2.PublishRejected) -> AfdRejected:
+    code = rejected.code
+    name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+    if rejected.reason in STALE_REASONS:
+        return AfdStaleEpoch(name, rejected.message)
+    return AfdRejected(name, rejected.message)
 
 
 class ControllerClient:
@@ -311,8 +317,13 @@ class ControllerClient:
         if which == "heartbeat":
             return
         if which == "registered":
-            with self._cond:
+            # The publish lock first (the order _publish_stream takes them in): no stream can
+            # open with the old secret once the new one is here.
+            with self._publish_lock, self._cond:
                 again = self._registered is not None
+                if self._publish_queue is not None:
+                    # A new session: the open publish stream is bound to the old one.
+                    self._retire_publish_stream()
                 self._registered = message.registered
                 self._view = message.registered.view
                 self._unreachable = None
@@ -447,7 +458,13 @@ class ControllerClient:
             if self._publish_queue is not None:
                 return self._publish_queue
             requests: queue.SimpleQueue[afd_pb2.AFDControlPayload | None] = queue.SimpleQueue()
-            metadata = (*self._metadata, (WORKER_ID_METADATA, self.spec.worker_id))
+            with self._cond:
+                secret = self._registered.publish_secret if self._registered else ""
+            metadata = (
+                *self._metadata,
+                (WORKER_ID_METADATA, self.spec.worker_id),
+                (PUBLISH_SECRET_METADATA, secret),
+            )
             call = self._stub.Publish(_drain(requests), metadata=metadata)
             self._publish_queue, self._publish_call = requests, call
             threading.Thread(
@@ -455,14 +472,26 @@ class ControllerClient:
             ).start()
             return requests
 
+    def _retire_publish_stream(self) -> None:
+        """Half-closes the publish stream (call with _publish_lock held); the next publish
+        opens one for the new session."""
+        if self._publish_queue is not None:
+            self._publish_queue.put(None)
+        self._publish_queue = self._publish_call = None
+
+    def _is_current(self, requests: queue.SimpleQueue) -> bool:
+        with self._publish_lock:
+            return self._publish_queue is requests
+
     def _read_acks(self, call: Iterator[afd_pb2.PublishAck], requests: queue.SimpleQueue) -> None:
         try:
             for ack in call:
-                self._rejections.append(_rejection(ack.rejected.code, ack.rejected.message))
+                if self._is_current(requests):  # a retired stream's are about an old session
+                    self._rejections.append(_rejection(ack.rejected))
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 log.warning("publish stream ended: %s: %s", exc.code().name, exc.details())
-                if exc.code() in PERMANENT_CODES:
+                if exc.code() in PERMANENT_CODES and self._is_current(requests):
                     self._rejections.append(AfdRejected(exc.code().name, exc.details() or ""))
 
         with self._publish_lock:

@@ -7,7 +7,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, fields
-from pathlib import Path
+
+from afd_ctl.tls import check_certificates, check_key_pair
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 ENV_PREFIX = "AFD_CTL_"
@@ -27,6 +28,7 @@ class DaemonConfig:
     max_blob_bytes: int = 1 << 20
     # Time the daemon gives workers to hang up after STOP on SIGTERM/SIGINT or `afd-ctl stop`.
     drain_grace_s: float = 5.0
+    # 0: off; -1: a port the kernel picks, named in the "metrics on" log line.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     tls_cert: str = ""
@@ -51,18 +53,20 @@ class DaemonConfig:
             raise ValueError(f"--max-blob-bytes must be in (0, 1 MiB], got {self.max_blob_bytes}")
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
-        if not 0 <= self.metrics_port < 65536:
+        if not -1 <= self.metrics_port < 65536:
             raise ValueError(
-                f"--metrics-port must be a TCP port or 0 (off), got {self.metrics_port}"
+                "--metrics-port must be a TCP port, 0 (off) or -1 (a free one, named in the "
+                f"log), got {self.metrics_port}"
             )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key as well")
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
-            path = getattr(self, name)
-            if path and not Path(path).is_file():
-                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
+        # Missing, garbage or mismatched PEM files: one line naming the file, here at start.
+        if self.tls_cert:
+            check_key_pair(self.tls_cert, self.tls_key, "--tls-cert", "--tls-key")
+        if self.tls_client_ca:
+            check_certificates(self.tls_client_ca, "--tls-client-ca")
         parse_listen(self.listen)
 
     @property

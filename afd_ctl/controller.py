@@ -7,7 +7,9 @@ serves. Messages are protobuf objects; the servicer only moves them on and off t
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
@@ -16,16 +18,16 @@ from dataclasses import dataclass
 
 from afd_ctl.config import DaemonConfig
 from afd_ctl.errors import ControlError
+from afd_ctl.logs import clip
 from afd_ctl.mailbox import Mailbox
 from afd_ctl.membership import ATTENTION, FFN, ROLES, Membership, Worker, WorkerSpec
 from afd_ctl.v1 import afd_pb2
 from afd_ctl.validation import validate_payload
-from afd_ctl.wire import ROLE_TO_PROTO
+from afd_ctl.wire import PUBLISH_SECRET_METADATA, ROLE_TO_PROTO, WORKER_ID_METADATA
 
 log = logging.getLogger(__name__)
 
 Event = afd_pb2.MembershipEvent
-TAP_QUEUE = 4096
 RECENT_EVENTS = 20
 
 
@@ -33,12 +35,35 @@ RECENT_EVENTS = 20
 class Session:
     worker: Worker
     mailbox: Mailbox[afd_pb2.SessionMessage]
+    # Handed to the worker in its Registered answer; a Publish stream must show it (once, when
+    # it opens) to act as this worker.
+    publish_secret: str = ""
+    # Set when the session ends: publish streams bound to it stop being accepted.
+    ended: bool = False
 
 
 @dataclass
 class Tap:
     mailbox: Mailbox[afd_pb2.TapEvent]
     include_payloads: bool
+    peer: str = ""
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The numbers a Prometheus scrape reports, copied on the event loop in one go so that the
+    scrape thread never reads the controller's state while it changes."""
+
+    epoch: int
+    serving: bool
+    registered: dict[str, int]
+    expected: dict[str, int]
+    steps_relayed: int
+    payloads_rejected: int
+    joins: int
+    losses: int
+    last_step_id: int
+    queued: dict[str, int]
 
 
 class Controller:
@@ -81,7 +106,9 @@ class Controller:
             raise ControlError("UNAVAILABLE", "the daemon is draining and refuses registrations")
         was_complete = self.membership.complete
         worker = self.membership.join(spec, peer)
-        session = Session(worker, Mailbox(self.config.subscriber_queue))
+        session = Session(
+            worker, Mailbox(self.config.subscriber_queue), publish_secret=secrets.token_hex(16)
+        )
         self.sessions[worker.worker_id] = session
         log.info(
             "worker registered: %s from %s, epoch %d (%d/%d attention, %d/%d ffn)",
@@ -97,6 +124,7 @@ class Controller:
             worker=self.worker_info(worker),
             view=self.view_for(worker),
             is_sender=self.membership.is_sender(worker),
+            publish_secret=session.publish_secret,
         )
         session.mailbox.offer(afd_pb2.SessionMessage(registered=registered))
         self._broadcast(Event.PEER_JOINED, worker, "registered", skip=worker)
@@ -109,6 +137,7 @@ class Controller:
     def close_session(self, session: Session, reason: str) -> None:
         """The session's stream ended (hang-up, keepalive failure, cut-off)."""
         worker = session.worker
+        session.ended = True
         if self.sessions.get(worker.worker_id) is session:
             del self.sessions[worker.worker_id]
         session.mailbox.close("CANCELLED", reason, discard=True)
@@ -126,15 +155,50 @@ class Controller:
         self.close_session(session, reason)
 
     # -- the step relay ------------------------------------------------------------------
-    def publish(self, worker_id: str, payload: afd_pb2.AFDControlPayload) -> None:
-        """Validates `payload` from `worker_id` and queues it for its FFN subscribers."""
+    def publisher(self, worker_id: str, secret: str) -> Session:
+        """The session a new Publish stream acts for: the one registered as `worker_id`, if
+        `secret` is the one its registration was given. Checked once per stream, not per
+        payload; the stream stays bound to that session and dies with it."""
+        if not worker_id:
+            raise ControlError(
+                "INVALID_ARGUMENT",
+                f"call metadata {WORKER_ID_METADATA!r} is missing: name the registered attention "
+                "worker that publishes",
+            )
         session = self.sessions.get(worker_id)
+        if session is None:
+            raise ControlError(
+                "FAILED_PRECONDITION",
+                f"{WORKER_ID_METADATA} {clip(worker_id)!r} has no live session; register first "
+                "(or again, after it was lost)",
+            )
+        if not secret:
+            raise ControlError(
+                "PERMISSION_DENIED",
+                f"call metadata {PUBLISH_SECRET_METADATA!r} is missing: only the client that "
+                f"registered {clip(worker_id)!r} may publish as it, with the publish_secret of "
+                "its Registered answer",
+            )
+        if not hmac.compare_digest(secret.encode(), session.publish_secret.encode()):
+            raise ControlError(
+                "PERMISSION_DENIED",
+                f"{PUBLISH_SECRET_METADATA} is not the one issued to the session of "
+                f"{clip(worker_id)!r}: only the client that registered a worker may publish as "
+                "it (an old secret stops working when its session ends)",
+            )
+        return session
+
+    def publish(self, session: Session, payload: afd_pb2.AFDControlPayload) -> None:
+        """Validates `payload` from the worker of `session` (see `publisher`) and queues it for
+        its FFN subscribers."""
         try:
-            if session is None:
+            if session.ended:
                 raise ControlError(
                     "FAILED_PRECONDITION",
-                    f"afd-worker-id {worker_id!r} has no live session; register first "
-                    "(or again, after it was lost)",
+                    f"the session of {session.worker.describe()} that this publish stream was "
+                    "opened for has ended; open a new stream with the secret of the new "
+                    "registration",
+                    "SESSION_ENDED",
                 )
             sender = session.worker
             validate_payload(
@@ -149,6 +213,7 @@ class Controller:
                     "UNAVAILABLE",
                     f"the expected set is incomplete at epoch {self.membership.epoch}: "
                     "wait for SET_COMPLETE before publishing",
+                    "SET_INCOMPLETE",
                 )
         except ControlError:
             self.payloads_rejected += 1
@@ -185,7 +250,7 @@ class Controller:
                 self._cut_off(
                     session,
                     f"fell behind: {mailbox.capacity} messages queued and unread "
-                    f"(last delivered step {mailbox.last_step_id}); cut off",
+                    f"(--subscriber-queue; last delivered step {mailbox.last_step_id}); cut off",
                 )
 
     # -- events --------------------------------------------------------------------------
@@ -216,13 +281,17 @@ class Controller:
             if payloads and not tap.include_payloads:
                 continue
             if not tap.mailbox.offer(event):
-                tap.mailbox.close(
-                    "RESOURCE_EXHAUSTED", f"tap fell behind: {tap.mailbox.capacity} events queued"
+                reason = (
+                    f"tap fell behind: {tap.mailbox.capacity} events queued and unread "
+                    "(--subscriber-queue); cut off"
                 )
+                log.warning("tap from %s cut off: %s", tap.peer, reason)
+                tap.mailbox.close("RESOURCE_EXHAUSTED", reason, discard=True)
                 self.taps.remove(tap)
 
-    def add_tap(self, include_payloads: bool) -> Tap:
-        tap = Tap(Mailbox(TAP_QUEUE), include_payloads)
+    def add_tap(self, include_payloads: bool, peer: str = "") -> Tap:
+        """A tap's queue is as long as a worker's (--subscriber-queue)."""
+        tap = Tap(Mailbox(self.config.subscriber_queue), include_payloads, peer)
         self.taps.append(tap)
         return tap
 
@@ -277,6 +346,7 @@ class Controller:
         m = self.membership
         status = afd_pb2.Status(
             health=self.health,
+            health_state=afd_pb2.Health.Value(self.health),
             epoch=m.epoch,
             controller_incarnation=self.incarnation,
             last_step_id=self.last_step_id,
@@ -299,6 +369,22 @@ class Controller:
                     queue_capacity=session.mailbox.capacity,
                 )
         return status
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        """Call on the event loop (the scrape thread asks the loop for it)."""
+        m = self.membership
+        return MetricsSnapshot(
+            epoch=m.epoch,
+            serving=self.health == "SERVING",
+            registered={role: m.count(role) for role in ROLES},
+            expected=dict(m.expected),
+            steps_relayed=self.steps_relayed,
+            payloads_rejected=self.payloads_rejected,
+            joins=m.joins,
+            losses=m.losses,
+            last_step_id=self.last_step_id,
+            queued={s.worker.worker_id: len(s.mailbox) for s in self.sessions.values()},
+        )
 
     def list_workers(self, role: str | None) -> list[afd_pb2.WorkerInfo]:
         return [self.worker_info(w) for w in self.membership.workers if role in (None, w.role)]

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 
 class ControlError(Exception):
-    """A request the daemon refuses. `code` is a grpc.StatusCode name, `str(self)` names the field."""
+    """A request the daemon refuses. `code` is a grpc.StatusCode name, `str(self)` names the field;
+    `reason`, for a refused payload, is a PublishRejected.Reason name so that clients need not
+    read the words."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
 
 
-def invalid(message: str) -> ControlError:
-    return ControlError("INVALID_ARGUMENT", message)
+def invalid(message: str, reason: str = "") -> ControlError:
+    return ControlError("INVALID_ARGUMENT", message, reason)
 
 
 class AfdError(Exception):

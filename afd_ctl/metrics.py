@@ -1,29 +1,43 @@
-"""Prometheus metrics, read from the controller's state on scrape (nothing on the hot path)."""
+"""Prometheus metrics, read from the controller's state on scrape (nothing on the hot path).
+
+The scrape runs on prometheus_client's HTTP thread while the controller changes on the event
+loop, so the collector asks the loop for a `MetricsSnapshot` and reads only that.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from afd_ctl.controller import Controller
+from afd_ctl.controller import Controller, MetricsSnapshot
 from afd_ctl.membership import ROLES
+
+# A scrape waits this long for the event loop; a loop that busy is itself worth an error.
+SNAPSHOT_TIMEOUT_S = 5.0
 
 
 class ControllerCollector(Collector):
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, loop: asyncio.AbstractEventLoop) -> None:
         self.controller = controller
+        self.loop = loop
+
+    def snapshot(self) -> MetricsSnapshot:
+        async def take() -> MetricsSnapshot:
+            return self.controller.metrics_snapshot()
+
+        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(SNAPSHOT_TIMEOUT_S)
 
     def collect(self) -> Iterator[Metric]:
-        c = self.controller
-        m = c.membership
-        yield GaugeMetricFamily("afd_ctl_epoch", "Current membership epoch", value=m.epoch)
+        s = self.snapshot()
+        yield GaugeMetricFamily("afd_ctl_epoch", "Current membership epoch", value=s.epoch)
         yield GaugeMetricFamily(
             "afd_ctl_serving",
             "1 when the expected set is complete and not draining",
-            value=1 if c.health == "SERVING" else 0,
+            value=1 if s.serving else 0,
         )
         registered = GaugeMetricFamily(
             "afd_ctl_workers_registered", "Registered workers per role", labels=["role"]
@@ -32,37 +46,39 @@ class ControllerCollector(Collector):
             "afd_ctl_workers_expected", "Expected workers per role", labels=["role"]
         )
         for role in ROLES:
-            registered.add_metric([role.lower()], m.count(role))
-            expected.add_metric([role.lower()], m.expected[role])
+            registered.add_metric([role.lower()], s.registered[role])
+            expected.add_metric([role.lower()], s.expected[role])
         yield registered
         yield expected
         yield CounterMetricFamily(
-            "afd_ctl_steps_relayed", "Payloads accepted and fanned out", value=c.steps_relayed
+            "afd_ctl_steps_relayed", "Payloads accepted and fanned out", value=s.steps_relayed
         )
         yield CounterMetricFamily(
-            "afd_ctl_payloads_rejected", "Payloads refused", value=c.payloads_rejected
+            "afd_ctl_payloads_rejected", "Payloads refused", value=s.payloads_rejected
         )
-        yield CounterMetricFamily("afd_ctl_worker_joins", "Registrations", value=m.joins)
-        yield CounterMetricFamily("afd_ctl_workers_lost", "Workers declared lost", value=m.losses)
+        yield CounterMetricFamily("afd_ctl_worker_joins", "Registrations", value=s.joins)
+        yield CounterMetricFamily("afd_ctl_workers_lost", "Workers declared lost", value=s.losses)
         yield GaugeMetricFamily(
-            "afd_ctl_last_step_id", "Last relayed step id", value=c.last_step_id
+            "afd_ctl_last_step_id", "Last relayed step id", value=s.last_step_id
         )
         queued = GaugeMetricFamily(
             "afd_ctl_subscriber_queued", "Messages queued per worker session", labels=["worker_id"]
         )
-        for session in c.sessions.values():
-            queued.add_metric([session.worker.worker_id], len(session.mailbox))
+        for worker_id, count in s.queued.items():
+            queued.add_metric([worker_id], count)
         yield queued
 
 
-def serve_metrics(controller: Controller, host: str, port: int) -> None:
-    """Serves /metrics from a thread; OSError naming --metrics-port when it cannot bind."""
+def serve_metrics(controller: Controller, host: str, port: int) -> int:
+    """Starts the HTTP endpoint (call on the event loop); returns the port it got (`port` -1:
+    one the kernel picks); OSError naming --metrics-port when it cannot bind."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ControllerCollector(controller))
+    registry.register(ControllerCollector(controller, asyncio.get_running_loop()))
     try:
-        start_http_server(port, addr=host, registry=registry)
+        server, _ = start_http_server(max(port, 0), addr=host, registry=registry)
     except OSError as exc:
         raise OSError(
             f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}; "
             "pick another --metrics-port, or 0 to turn metrics off"
         ) from None
+    return int(server.server_port)

@@ -10,6 +10,7 @@ import functools
 import logging
 import signal
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from afd_ctl.auth import BearerTokenInterceptor
 from afd_ctl.channel import keepalive_options
 from afd_ctl.config import DaemonConfig, parse_listen
 from afd_ctl.controller import Controller
+from afd_ctl.malformed import MalformedRequestInterceptor
 from afd_ctl.membership import FFN
 from afd_ctl.servicer import ControllerServicer, InspectServicer
+from afd_ctl.tls import server_credentials
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,18 @@ HEALTH_STATUS = {
 MAX_MESSAGE_BYTES = 4 << 20
 
 
+def remove_stale_socket(path: Path) -> None:
+    """A socket left by an earlier daemon is removed; any other file at `path` is an error,
+    never deleted."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"cannot listen on unix:{path}: it exists and is not a socket")
+    path.unlink()
+
+
 class ControllerServer:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -48,10 +63,17 @@ class ControllerServer:
         self._server: grpc.aio.Server | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        # Health changes, applied in order by one task (health.set is a coroutine; a task per
+        # change could apply an older state last).
+        self._health_updates: asyncio.Queue[str] = asyncio.Queue()
+        self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
         config = self.config
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        # The token check runs first, on handlers whose request parsing is already made safe.
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if config.auth_token:
+            interceptors.insert(0, BearerTokenInterceptor(config.auth_token))
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -79,15 +101,16 @@ class ControllerServer:
         self.address = self._bind(server)
         self.controller.listen_address = self.address
         self._server = server
+        metrics_port = 0
         if config.metrics_port:
             from afd_ctl.metrics import serve_metrics
 
             # Before start(): a metrics port in use ends start-up before anything listens.
-            serve_metrics(self.controller, config.metrics_host, config.metrics_port)
-        await self._set_health(self.controller.health)
-        self.controller.health_listeners.append(
-            lambda status: asyncio.get_running_loop().create_task(self._set_health(status))
-        )
+            metrics_port = serve_metrics(self.controller, config.metrics_host, config.metrics_port)
+        applied = self.controller.health
+        await self._set_health(applied)
+        self.controller.health_listeners.append(self._health_updates.put_nowait)
+        self._health_task = asyncio.get_running_loop().create_task(self._apply_health(applied))
         await server.start()
         log.info(
             "afd-ctl listening on %s (tls=%s, token=%s); expecting %d attention, %d ffn; "
@@ -99,7 +122,7 @@ class ControllerServer:
             config.expect_ffn,
         )
         if config.metrics_port:
-            log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
         return self.address
 
     def _bind(self, server: grpc.aio.Server) -> str:
@@ -111,14 +134,9 @@ class ControllerServer:
         if problem:
             raise OSError(problem)
         if port is None:
-            Path(host).unlink(missing_ok=True)
+            remove_stale_socket(Path(host))
         if config.tls:
-            client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
-            credentials = grpc.ssl_server_credentials(
-                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
-                root_certificates=client_ca,
-                require_client_auth=client_ca is not None,
-            )
+            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
             add_port = functools.partial(server.add_secure_port, target, credentials)
         else:
             add_port = functools.partial(server.add_insecure_port, target)
@@ -136,6 +154,19 @@ class ControllerServer:
         value = HEALTH_STATUS[status]
         for service in ("", *SERVICE_NAMES):
             await self.health.set(service, value)
+
+    async def _apply_health(self, applied: str) -> None:
+        """Applies queued health changes in order; `applied` is the state already set."""
+        while True:
+            status = await self._health_updates.get()
+            if status == applied:
+                continue
+            if status == "DRAINING":
+                # NOT_SERVING for every service, and no later change turns it back.
+                await self.health.enter_graceful_shutdown()
+                return
+            await self._set_health(status)
+            applied = status
 
     def request_drain(self, reason: str) -> int:
         """Idempotent: STOP to every worker, then exit within the drain grace."""
@@ -160,6 +191,8 @@ class ControllerServer:
         return sum(1 for s in self.controller.sessions.values() if s.worker.role == FFN)
 
     async def stop(self, grace: float) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
         if self._server is not None:
             await self._server.stop(grace)
         self._stopped.set()

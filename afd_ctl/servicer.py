@@ -14,10 +14,12 @@ import grpc
 
 from afd_ctl.controller import Controller
 from afd_ctl.errors import ControlError
+from afd_ctl.logs import RateLimitedLog, clip
 from afd_ctl.mailbox import MailboxClosed
+from afd_ctl.malformed import MalformedRequest
 from afd_ctl.membership import WorkerSpec
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
-from afd_ctl.wire import PROTO_TO_ROLE, WORKER_ID_METADATA
+from afd_ctl.wire import PROTO_TO_ROLE, PUBLISH_SECRET_METADATA, WORKER_ID_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,16 @@ SESSION_CLOSED = "session closed by the worker (exited, killed or hung up)"
 # A leave reason is kept to this many characters (it travels in every PEER_LOST event).
 MAX_LEAVE_REASON = 2000
 HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
+# Publish streams refused when they open (no session, no or a wrong secret), rate-limited.
+PUBLISH_REFUSED = RateLimitedLog(log, "publish stream refused")
+
+
+def role_name(value: int) -> str:
+    """ATTENTION, FFN, or what validation refuses: another name or, for a number the enum does
+    not define (proto3 enums are open), the number."""
+    if value in PROTO_TO_ROLE:
+        return PROTO_TO_ROLE[value]
+    return afd_pb2.Role.Name(value) if value in afd_pb2.Role.values() else str(value)
 
 
 def status_code(name: str) -> grpc.StatusCode:
@@ -35,37 +47,23 @@ async def abort(context: grpc.aio.ServicerContext, error: ControlError) -> None:
     await context.abort(status_code(error.code), error.message)
 
 
-class RateLimitedLog:
-    """One warning per interval for a repeating problem, with the count of those not shown."""
-
-    def __init__(self, what: str, interval_s: float = 1.0) -> None:
-        self.what = what
-        self.interval_s = interval_s
-        self._last = -interval_s
-        self._suppressed = 0
-
-    def warn(self, detail: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self.interval_s:
-            self._suppressed += 1
-            return
-        more = f" (and {self._suppressed} more)" if self._suppressed else ""
-        log.warning("%s%s: %s", self.what, more, detail)
-        self._last, self._suppressed = now, 0
-
-
 class Heard:
-    """When a worker's session last said anything, and why it left, if it said so."""
+    """When a worker's session last said anything, why it left, if it said so, and what did
+    not parse, if something did."""
 
     def __init__(self) -> None:
         self.at = time.monotonic()
         self.left = ""
+        self.malformed = ""
 
     async def follow(self, requests: AsyncIterator[afd_pb2.SessionRequest]) -> None:
-        async for request in requests:
-            self.at = time.monotonic()
-            if request.WhichOneof("message") == "leave":
-                self.left = request.leave.reason[:MAX_LEAVE_REASON] or "no reason given"
+        try:
+            async for request in requests:
+                self.at = time.monotonic()
+                if request.WhichOneof("message") == "leave":
+                    self.left = request.leave.reason[:MAX_LEAVE_REASON] or "no reason given"
+        except MalformedRequest as error:
+            self.malformed = error.message
 
 
 class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
@@ -92,7 +90,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         request = first.register
         spec = WorkerSpec(
             worker_id=request.worker_id,
-            role=PROTO_TO_ROLE.get(request.role, afd_pb2.Role.Name(request.role)),
+            role=role_name(request.role),
             dp_rank=request.dp_rank,
             dp_size=request.dp_size,
             tp_rank=request.tp_rank,
@@ -102,7 +100,12 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         try:
             session = self.controller.open_session(spec, context.peer())
         except ControlError as error:
-            log.warning("registration refused for %r: %s", request.worker_id, error.message)
+            log.warning(
+                "registration refused for %r from %s: %s",
+                clip(request.worker_id),
+                context.peer(),
+                error.message,
+            )
             await abort(context, error)
             return
         heard = Heard()
@@ -119,6 +122,10 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
                         await context.abort(status_code(closed.code), closed.message)
                     return
                 if reader.done():
+                    if heard.malformed:
+                        reason = f"malformed Session message: {heard.malformed}"
+                        log.warning("%s: %s", session.worker.describe(), reason)
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, heard.malformed)
                     if heard.left:
                         reason = f"left: {heard.left}"
                     return
@@ -137,26 +144,35 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         request_iterator: AsyncIterator[afd_pb2.AFDControlPayload],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[afd_pb2.PublishAck]:
-        worker_id = dict(context.invocation_metadata() or ()).get(WORKER_ID_METADATA, "")
-        if not worker_id:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"call metadata {WORKER_ID_METADATA!r} is missing: name the registered "
-                "attention worker that publishes",
+        metadata = dict(context.invocation_metadata() or ())
+        worker_id = metadata.get(WORKER_ID_METADATA, "")
+        try:
+            # Checked once, here: the stream is bound to that session from now on.
+            session = self.controller.publisher(
+                worker_id, metadata.get(PUBLISH_SECRET_METADATA, "")
             )
+        except ControlError as error:
+            PUBLISH_REFUSED.warn(f"from {context.peer()}: {error.message}")
+            await abort(context, error)
+            return
         publish = self.controller.publish
-        rejections = RateLimitedLog(f"payloads from {worker_id!r} rejected")
+        rejections = RateLimitedLog(log, f"payloads from {clip(worker_id)!r} rejected")
         async for payload in request_iterator:
             try:
-                publish(worker_id, payload)
+                publish(session, payload)
             except ControlError as error:
                 rejections.warn(f"step {payload.step_id}: {error.message}")
                 rejected = afd_pb2.PublishRejected(
                     step_id=payload.step_id,
                     code=status_code(error.code).value[0],
                     message=error.message,
+                    reason=afd_pb2.PublishRejected.Reason.Value(
+                        error.reason or "REASON_UNSPECIFIED"
+                    ),
                 )
                 yield afd_pb2.PublishAck(rejected=rejected)
+                if session.ended:
+                    return  # the client opens a new stream for its new registration
 
 
 class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
@@ -185,7 +201,9 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
     async def Tap(  # noqa: N802
         self, request: afd_pb2.TapRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[afd_pb2.TapEvent]:
-        tap = self.controller.add_tap(request.include_payloads)
+        tap = self.controller.add_tap(request.include_payloads, context.peer())
+        # Headers now, not with the first event: the client can tell it is subscribed.
+        await context.send_initial_metadata(())
         try:
             while True:
                 try:

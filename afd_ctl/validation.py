@@ -13,6 +13,10 @@ from afd_ctl.v1 import afd_pb2
 MAX_STAGES = 2
 
 
+def invalid_stages(message: str) -> ControlError:
+    return invalid(message, "INVALID_STAGES")
+
+
 def validate_payload(
     payload: afd_pb2.AFDControlPayload,
     *,
@@ -26,37 +30,43 @@ def validate_payload(
             "PERMISSION_DENIED",
             f"{sender.describe()} is not a designated sender; only attention role ranks below "
             "min(M, N) publish payloads",
+            "NOT_A_SENDER",
         )
     if payload.sender_role_rank != sender.role_rank:
         raise ControlError(
             "PERMISSION_DENIED",
             f"sender_role_rank {payload.sender_role_rank} does not match the publishing "
             f"worker's role rank {sender.role_rank}",
+            "WRONG_SENDER_RANK",
         )
     if payload.epoch != epoch:
         raise ControlError(
             "FAILED_PRECONDITION",
             f"epoch {payload.epoch} is stale; the current membership epoch is {epoch} "
             "(a worker joined or was lost): refresh the view and resend",
+            "STALE_EPOCH",
         )
     if sender.last_step_id is not None and payload.step_id <= sender.last_step_id:
         raise invalid(
             f"step_id {payload.step_id} does not increase; the last accepted step_id from "
-            f"attention rank {sender.role_rank} is {sender.last_step_id}"
+            f"attention rank {sender.role_rank} is {sender.last_step_id}",
+            "STEP_NOT_INCREASING",
         )
     stages = payload.stages
     if len(stages) > MAX_STAGES:
-        raise invalid(
+        raise invalid_stages(
             f"stages has {len(stages)} entries {sorted(stages)}; at most {MAX_STAGES} "
             "(stage 0, and stage 1 under dual-batch overlap)"
         )
     if not stages and not payload.stop:
-        raise invalid("stages is empty; every step needs stage 0 (only a stop payload may omit it)")
+        raise invalid_stages(
+            "stages is empty; every step needs stage 0 (only a stop payload may omit it)"
+        )
     for index in stages:
         if index >= MAX_STAGES:
-            raise invalid(f"stages key {index} is out of range; stage keys are 0 and 1")
+            raise invalid_stages(f"stages key {index} is out of range; stage keys are 0 and 1")
     if stages and 0 not in stages:
-        raise invalid(f"stages keys {sorted(stages)} skip stage 0")
+        raise invalid_stages(f"stages keys {sorted(stages)} skip stage 0")
     for index in sorted(stages):
         _validate_stage(index, stages[index], attention_dp_size)
 
@@ -65,16 +75,18 @@ def _validate_stage(index: int, meta: afd_pb2.DPMetadata, dp_size: int) -> None:
     counts = meta.num_tokens_across_dp
     name = f"stages[{index}]"
     if len(counts) != dp_size:
-        raise invalid(
+        raise invalid_stages(
             f"{name}.num_tokens_across_dp has {len(counts)} entries; the attention DP size "
             f"registered is {dp_size}"
         )
     for rank, count in enumerate(counts):
         if count < 0:
-            raise invalid(f"{name}.num_tokens_across_dp[{rank}] is {count}; counts must be >= 0")
+            raise invalid_stages(
+                f"{name}.num_tokens_across_dp[{rank}] is {count}; counts must be >= 0"
+            )
     expected_max = max(counts) if counts else 0
     if meta.max_tokens_across_dp != expected_max:
-        raise invalid(
+        raise invalid_stages(
             f"{name}.max_tokens_across_dp is {meta.max_tokens_across_dp}; "
             f"max(num_tokens_across_dp) is {expected_max}"
         )

@@ -9,3 +9,6 @@ ROLE_TO_PROTO = {ATTENTION: afd_pb2.ATTENTION, FFN: afd_pb2.FFN}
 PROTO_TO_ROLE = {v: k for k, v in ROLE_TO_PROTO.items()}
 # Names the registered attention worker on a Publish stream.
 WORKER_ID_METADATA = "afd-worker-id"
+# Proves the Publish stream comes from the client that registered that worker
+# (Registered.publish_secret).
+PUBLISH_SECRET_METADATA = "afd-publish-secret"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from afd_ctl.client import ControllerClient
 from afd_ctl.errors import AfdRejected, AfdStaleEpoch, AfdTimeout
 from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
 from afd_ctl.sim_worker import make_payload
+from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from tests.procs import sim_worker
 
 GOOD_STEPS = 40
@@ -119,3 +121,118 @@ def test_bad_registrations_are_refused_with_the_field_named(start_daemon):
         assert first.registered.worker.worker_id == "ffn-0"
     finally:
         first.close()
+
+
+IDENTITY = {"request_serializer": None, "response_deserializer": None}
+
+
+def raw_error(call: object) -> grpc.RpcError:
+    """The error a raw call (bytes in, bytes out) ends with."""
+    with pytest.raises(grpc.RpcError) as err:
+        if isinstance(call, grpc.Call) and hasattr(call, "__iter__"):
+            list(call)  # type: ignore[call-overload]
+        else:
+            call()  # type: ignore[operator]
+    return err.value
+
+
+def test_malformed_bytes_on_every_rpc_are_invalid_argument_naming_the_message(start_daemon):
+    """Issue 10, bug 5: bytes that are not the method's message, on every RPC the daemon serves
+    (health and reflection included), get INVALID_ARGUMENT, one log line, no traceback, and
+    change nothing (not even a malformed Stop)."""
+    daemon = start_daemon()
+    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION))
+    garbage = b"\xff\xff\xff"  # a field key that never ends
+    # SessionRequest{register{worker_id: <not UTF-8>}}, to see the field named.
+    bad_utf8 = b"\x0a\x04\x32\x02\xff\xfe"
+    try:
+        attn.connect(10)
+        secret = (
+            ("afd-worker-id", "attn-0"),
+            ("afd-publish-secret", attn.registered.publish_secret),
+        )
+        with grpc.insecure_channel(daemon.address) as channel:
+            unary = {
+                "/afd.v1.AFDInspect/GetStatus": "afd.v1.GetStatusRequest",
+                "/afd.v1.AFDInspect/ListWorkers": "afd.v1.ListWorkersRequest",
+                "/afd.v1.AFDInspect/Stop": "afd.v1.StopRequest",
+                "/grpc.health.v1.Health/Check": "grpc.health.v1.HealthCheckRequest",
+            }
+            for method, message in unary.items():
+                call = channel.unary_unary(method, **IDENTITY)
+                error = raw_error(lambda call=call: call(garbage, timeout=10))
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error)
+                assert f"not a valid {message} at byte 0: truncated field key" in error.details()
+            for method, message in {
+                "/afd.v1.AFDInspect/Tap": "afd.v1.TapRequest",
+                "/grpc.health.v1.Health/Watch": "grpc.health.v1.HealthCheckRequest",
+            }.items():
+                call = channel.unary_stream(method, **IDENTITY)(garbage, timeout=10)
+                error = raw_error(call)
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error)
+                assert f"not a valid {message}" in error.details()
+            streams = [
+                ("/afd.v1.AFDController/Session", (), bad_utf8, "register.worker_id: not valid"),
+                ("/afd.v1.AFDController/Session", (), garbage, "afd.v1.SessionRequest"),
+                ("/afd.v1.AFDController/Publish", secret, garbage, "afd.v1.AFDControlPayload"),
+                (
+                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                    (),
+                    garbage,
+                    "grpc.reflection.v1alpha.ServerReflectionRequest",
+                ),
+            ]
+            # After a good registration, too (the daemon reads those in a task of its own).
+            register = afd_pb2.RegisterRequest(
+                role=afd_pb2.FFN, worker_id="f", dp_size=1, tp_size=1
+            )
+            first = afd_pb2.SessionRequest(register=register).SerializeToString()
+            streams.append(
+                ("/afd.v1.AFDController/Session", (), [first, garbage], "SessionRequest")
+            )
+            for method, metadata, data, text in streams:
+                stream = channel.stream_stream(method, **IDENTITY)
+                messages = data if isinstance(data, list) else [data]
+                error = raw_error(stream(iter(messages), metadata=metadata, timeout=10))
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error)
+                assert text in error.details(), (method, error.details())
+            status = afd_pb2_grpc.AFDInspectStub(channel).GetStatus(afd_pb2.GetStatusRequest())
+        assert status.health_state == afd_pb2.NOT_SERVING  # not DRAINING: Stop was refused
+        assert attn.registered.worker.worker_id == "attn-0"
+    finally:
+        attn.close()
+    log = daemon.log()
+    assert "malformed request refused" in log and "malformed Session message" in log
+    assert "Traceback" not in log and "Unexpected" not in log, log
+
+
+def test_unknown_role_and_huge_ids_are_refused_without_flooding_the_log(start_daemon):
+    """Issue 10, bugs 5 and 6: role 7 is INVALID_ARGUMENT naming the field; a 1 MiB worker id
+    and a 7,000-character afd-worker-id are refused, and neither is echoed or logged whole."""
+    daemon = start_daemon()
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = afd_pb2_grpc.AFDControllerStub(channel)
+        for register, why in (
+            (
+                afd_pb2.RegisterRequest(role=7, worker_id="w"),
+                "role must be ATTENTION or FFN, got 7",
+            ),
+            (
+                afd_pb2.RegisterRequest(role=afd_pb2.FFN, worker_id="x" * (1 << 20)),
+                "worker_id is longer than 256 characters",
+            ),
+        ):
+            for _ in range(3):
+                call = stub.Session(iter([afd_pb2.SessionRequest(register=register)]), timeout=10)
+                error = raw_error(call)
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+                assert why in error.details() and len(error.details()) < 1000
+        payload = make_payload(1, 1, 1)
+        call = stub.Publish(iter([payload]), metadata=(("afd-worker-id", "y" * 7000),), timeout=10)
+        error = raw_error(call)
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error
+        assert "...(7000 chars)" in error.details() and len(error.details()) < 1000
+    log = daemon.log()
+    assert "Traceback" not in log
+    assert max(len(line) for line in log.splitlines()) < 1000
+    assert log.count("registration refused") == 6 and "...(1048576 chars)" in log

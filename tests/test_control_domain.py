@@ -115,17 +115,21 @@ def test_duplicate_slot_and_identity_are_refused():
     ],
 )
 def test_bad_payloads_are_refused_and_change_nothing(mutate, code: str, field: str):
+    reason = {"FAILED_PRECONDITION": "STALE_EPOCH", "PERMISSION_DENIED": "WRONG_SENDER_RANK"}
+    reason = reason.get(code, "INVALID_STAGES")
+
     async def scenario():
         c = make_controller()
-        c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        a = c.open_session(WorkerSpec("a0", ATTENTION), "p")
         f = c.open_session(WorkerSpec("f0", FFN), "p")
         queued = len(f.mailbox)
         payload = make_payload(5, 1, 1)
         payload.epoch = c.membership.epoch
         mutate(payload)
         with pytest.raises(ControlError) as err:
-            c.publish("a0", payload)
+            c.publish(a, payload)
         assert err.value.code == code and field in err.value.message
+        assert err.value.reason == reason  # what clients act on, not the words
         assert len(f.mailbox) == queued and c.steps_relayed == 0 and c.payloads_rejected == 1
 
     run(scenario())
@@ -134,16 +138,17 @@ def test_bad_payloads_are_refused_and_change_nothing(mutate, code: str, field: s
 def test_step_ids_must_increase_per_sender():
     async def scenario():
         c = make_controller()
-        c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        a = c.open_session(WorkerSpec("a0", ATTENTION), "p")
         c.open_session(WorkerSpec("f0", FFN), "p")
         for step, ok in ((5, True), (6, True), (6, False), (4, False), (7, True)):
             payload = make_payload(step, 1, 1)
             payload.epoch = c.membership.epoch
             if ok:
-                c.publish("a0", payload)
+                c.publish(a, payload)
             else:
-                with pytest.raises(ControlError, match="does not increase"):
-                    c.publish("a0", payload)
+                with pytest.raises(ControlError, match="does not increase") as err:
+                    c.publish(a, payload)
+                assert err.value.reason == "STEP_NOT_INCREASING"
         assert c.steps_relayed == 3
 
     run(scenario())
@@ -152,18 +157,53 @@ def test_step_ids_must_increase_per_sender():
 def test_slow_subscriber_is_cut_off_with_a_reason():
     async def scenario():
         c = Controller(DaemonConfig(subscriber_queue=8), first_epoch=1)
-        c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        tap = c.add_tap(include_payloads=True)
+        a = c.open_session(WorkerSpec("a0", ATTENTION), "p")
         f = c.open_session(WorkerSpec("f0", FFN), "p")
         for step in range(1, 20):
             payload = make_payload(step, 1, 1)
             payload.epoch = c.membership.epoch
             try:
-                c.publish("a0", payload)
+                c.publish(a, payload)
             except ControlError as exc:  # incomplete once f0 is cut off
-                assert exc.code == "UNAVAILABLE"
+                assert (exc.code, exc.reason) == ("UNAVAILABLE", "SET_INCOMPLETE")
                 break
         assert f.mailbox.closed and "fell behind" in f.worker.lost_reason
         assert c.membership.count(FFN) == 0
+        # The tap's queue is --subscriber-queue long too; it was cut off and dropped.
+        assert tap.mailbox.closed and len(tap.mailbox) == 0 and tap not in c.taps
+
+    run(scenario())
+
+
+def test_only_the_registering_session_publishes_as_its_worker():
+    async def scenario():
+        c = make_controller()
+        a = c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        c.open_session(WorkerSpec("f0", FFN), "p")
+        secret = c.sessions["a0"].publish_secret
+        assert len(secret) == 32
+        for worker_id, given, code in (
+            ("", secret, "INVALID_ARGUMENT"),
+            ("nobody", secret, "FAILED_PRECONDITION"),
+            ("a0", "", "PERMISSION_DENIED"),
+            ("a0", "f" * 32, "PERMISSION_DENIED"),
+        ):
+            with pytest.raises(ControlError) as err:
+                c.publisher(worker_id, given)
+            assert err.value.code == code
+        assert c.publisher("a0", secret) is a
+        # The stream dies with its session: a re-registration has a new session and secret.
+        c.close_session(a, "gone")
+        payload = make_payload(1, 1, 1)
+        payload.epoch = c.membership.epoch
+        with pytest.raises(ControlError) as err:
+            c.publish(a, payload)
+        assert (err.value.code, err.value.reason) == ("FAILED_PRECONDITION", "SESSION_ENDED")
+        again = c.open_session(WorkerSpec("a0", ATTENTION), "p")
+        assert again.publish_secret != secret
+        with pytest.raises(ControlError, match="is not the one issued"):
+            c.publisher("a0", secret)
 
     run(scenario())
 

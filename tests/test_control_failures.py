@@ -12,20 +12,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
+import grpc
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from afd_ctl.client import ControllerClient
-from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdStopped
+from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdStaleEpoch, AfdStopped
 from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
 from afd_ctl.sim_worker import make_payload
-from afd_ctl.v1 import afd_pb2
+from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from tests.procs import Daemon, sim_worker
 
 LIVENESS_S = 2.0
 SLACK_S = 1.0  # process scheduling on a loaded 2-core machine
 
 Kind = afd_pb2.MembershipEvent.Kind
+SERVING = HealthCheckResponse.SERVING
 
 
 class Watcher:
@@ -171,12 +176,21 @@ def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, pro
     ]
     procs.extend(ffn)
     attn = client(daemon, "attn-0", ATTENTION)
+    channel = grpc.insecure_channel(daemon.address)
+    watch = HealthStub(channel).Watch(
+        HealthCheckRequest(service="afd.v1.AFDController"), timeout=60
+    )
     try:
         attn.wait_complete(10)
+        statuses = [next(watch).status]
+        while statuses[-1] != SERVING:
+            statuses.append(next(watch).status)
         publish_steps(attn, 1, 20)
         attn.flush()
         daemon.signal(signal.SIGTERM)
         daemon.signal(signal.SIGTERM)  # idempotent
+        # Health goes NOT_SERVING on drain (and nothing turns it back) before the daemon goes.
+        assert next(watch).status == HealthCheckResponse.NOT_SERVING
         for proc in ffn:
             report = proc.json_report(10)
             assert report["received"] == 20 and "SIGTERM received" in report["stopped"]
@@ -184,6 +198,7 @@ def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, pro
         assert daemon.wait(5) == 0
         assert "draining: SIGTERM received" in daemon.log()
     finally:
+        channel.close()
         attn.close()
 
 
@@ -292,3 +307,99 @@ def test_rejoin_moves_every_peer_to_a_new_epoch(start_daemon):
     finally:
         attention.close()
         ffn.close()
+
+
+# A test client that stops reading: its receive window stays at 64 KiB (no BDP growth), so
+# what is in flight when it is cut off, and the test's time, stay small.
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0)]
+
+
+def read_to_the_end(call: Iterator[object], bound: int) -> tuple[int, grpc.RpcError | None]:
+    """Reads what was in flight; (messages read, the error the stream ended with)."""
+    count = 0
+    try:
+        for _ in call:
+            count += 1
+            assert count <= bound, f"more than {bound} messages after the cut-off"
+    except grpc.RpcError as error:
+        return count, error
+    return count, None
+
+
+def test_a_tap_that_stops_reading_is_cut_off_and_told(start_daemon):
+    """Issue 10, bug 7: a tap that does not read is cut off once --subscriber-queue events
+    wait for it, and its stream ends with RESOURCE_EXHAUSTED saying why, right after what was
+    already in flight; the workers are unaffected."""
+    daemon = start_daemon("--subscriber-queue", "8")
+    attn = client(daemon, "attn-0", ATTENTION)
+    ffn = client(daemon, "ffn-0", FFN)
+    with grpc.insecure_channel(daemon.address, options=SMALL_WINDOW) as channel:
+        tap = afd_pb2_grpc.AFDInspectStub(channel).Tap(
+            afd_pb2.TapRequest(include_payloads=True), timeout=60
+        )
+        try:
+            tap.initial_metadata()  # subscribed
+            attn.wait_complete(10)
+            step = 0
+            deadline = time.monotonic() + 30
+            while "cut off: tap fell behind" not in daemon.log():
+                assert time.monotonic() < deadline, "the tap was not cut off"
+                for _ in range(4):  # in small batches the FFN worker keeps up with
+                    step += 1
+                    attn.publish(make_payload(step, 1, 1))
+                assert ffn.next_payload(5).step_id == step - 3
+                for expected in range(step - 2, step + 1):
+                    assert ffn.next_payload(5).step_id == expected
+            read, error = read_to_the_end(tap, bound=step)
+            assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "tap fell behind: 8 events queued and unread" in error.details()
+            assert read < step  # what was in flight, not everything since
+            # The workers carry on.
+            attn.publish(make_payload(step + 1, 1, 1))
+            assert ffn.next_payload(5).step_id == step + 1
+        finally:
+            attn.close()
+            ffn.close()
+
+
+def test_a_session_that_stops_reading_is_cut_off_and_told(start_daemon):
+    """Issue 10, bug 7: an FFN session that does not read (but heartbeats) is cut off once
+    --subscriber-queue messages wait for it; its peers get PEER_LOST saying why, and its stream
+    ends with RESOURCE_EXHAUSTED saying why, right after what was already in flight."""
+    daemon = start_daemon("--subscriber-queue", "8", "--liveness-timeout-s", str(LIVENESS_S))
+    attn = client(daemon, "attn-0", ATTENTION)
+    watcher = Watcher(attn)
+    hung_up = threading.Event()
+
+    def requests() -> Iterator[afd_pb2.SessionRequest]:
+        register = afd_pb2.RegisterRequest(
+            role=afd_pb2.FFN, worker_id="ffn-0", dp_size=1, tp_size=1
+        )
+        yield afd_pb2.SessionRequest(register=register)
+        while not hung_up.wait(LIVENESS_S / 4):
+            yield afd_pb2.SessionRequest(heartbeat=afd_pb2.Heartbeat())
+
+    with grpc.insecure_channel(daemon.address, options=SMALL_WINDOW) as channel:
+        session = afd_pb2_grpc.AFDControllerStub(channel).Session(requests(), timeout=60)
+        try:
+            assert next(session).WhichOneof("message") == "registered"
+            attn.wait_complete(10)
+            step = 0
+            deadline = time.monotonic() + 30
+            while not any(e.kind == Kind.PEER_LOST for _, e in watcher.events):
+                assert time.monotonic() < deadline, "ffn-0 was not cut off"
+                step += 1
+                try:
+                    attn.publish(make_payload(step, 1, 1))
+                except (AfdPeerLost, AfdStaleEpoch):  # what the attention side sees of it
+                    break
+            _, event = watcher.wait(Kind.PEER_LOST, timeout=5)
+            assert event.worker.worker_id == "ffn-0"
+            assert "fell behind: 8 messages queued and unread" in event.reason
+            read, error = read_to_the_end(session, bound=step)
+            assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "fell behind: 8 messages queued and unread" in error.details()
+            assert read < step
+        finally:
+            hung_up.set()
+            attn.close()

@@ -74,3 +74,19 @@ def test_unix_socket_listen(start_daemon, procs, tmp_path):
         capture_output=True, text=True, check=True, timeout=30,
     )  # fmt: skip
     assert json.loads(status.stdout)["steps_relayed"] == 100
+
+
+def test_unix_listen_path_that_is_not_a_socket_is_left_alone(tmp_path):
+    """Only a stale socket is removed before binding; a regular file at the path is an error."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    out = subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "serve", "--listen", f"unix:{path}"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen on unix:{path}: it exists and is not a socket" in out.stderr
+    assert path.read_text() == "keep me"

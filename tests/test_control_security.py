@@ -6,13 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from afd_ctl.channel import ClientTls
 from afd_ctl.cli import main as cli
 from afd_ctl.client import ControllerClient
 from afd_ctl.errors import AfdRejected, AfdTimeout
-from afd_ctl.membership import FFN, WorkerSpec
+from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+from afd_ctl.sim_worker import make_payload
+from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
 TOKEN = "s3cret-token"
 
@@ -138,3 +141,140 @@ def test_bad_daemon_flags_fail_fast_with_a_clear_message(tmp_path: Path):
             timeout=30,
         )
         assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def publish_raw(
+    address: str, metadata: tuple[tuple[str, str], ...], payload: afd_pb2.AFDControlPayload
+) -> grpc.RpcError:
+    """One payload on a Publish stream of a connection of its own; the error it ends with."""
+    with grpc.insecure_channel(address) as channel:
+        call = afd_pb2_grpc.AFDControllerStub(channel).Publish(iter([payload]), metadata=metadata)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        return err.value
+
+
+def test_no_client_can_publish_as_a_worker_it_did_not_register(start_daemon):
+    """Issue 10, bug 3: another connection, token in hand, names the attention worker and
+    publishes a payload of the current epoch with step 10^12. It is refused, nothing reaches
+    the FFN worker, and the real pair's steps keep flowing; after the worker re-registers, its
+    old secret is refused too."""
+    daemon = start_daemon("--auth-token", TOKEN)
+    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION), token=TOKEN)
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN), token=TOKEN)
+    try:
+        attn.connect(10)
+        ffn.connect(10)
+        view = attn.wait_complete(10)
+        for step in range(1, 6):
+            attn.publish(make_payload(step, 1, 1))
+        assert [ffn.next_payload(5).step_id for _ in range(5)] == [1, 2, 3, 4, 5]
+
+        forged = make_payload(10**12, 1, 1)
+        forged.epoch = view.epoch
+        auth = (("authorization", f"Bearer {TOKEN}"), ("afd-worker-id", "attn-0"))
+        old_secret = attn.registered.publish_secret
+        assert len(old_secret) == 32  # 128 random bits, hex
+        for secret, why in (
+            (None, "'afd-publish-secret' is missing"),
+            ("0" * 32, "is not the one issued to the session of 'attn-0'"),
+        ):
+            metadata = auth if secret is None else (*auth, ("afd-publish-secret", secret))
+            error = publish_raw(daemon.address, metadata, forged)
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error
+            assert why in error.details() and "only the client that registered" in error.details()
+
+        for step in range(6, 11):
+            attn.publish(make_payload(step, 1, 1))
+        attn.flush()  # no rejection: step 10^12 never counted as the last step
+        assert [ffn.next_payload(5).step_id for _ in range(5)] == [6, 7, 8, 9, 10]
+
+        # A new registration gets a new secret; the client moves its stream to it, and the old
+        # secret (say, read from a log of the old session) no longer works.
+        attn.rejoin("test")
+        new = attn.wait_complete(10, after_epoch=view.epoch)
+        ffn.wait_complete(10, after_epoch=view.epoch)
+        assert attn.registered.publish_secret != old_secret
+        forged.epoch = new.epoch
+        error = publish_raw(daemon.address, (*auth, ("afd-publish-secret", old_secret)), forged)
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error
+        for step in range(11, 16):
+            attn.publish(make_payload(step, 1, 1))
+        attn.flush()
+        assert [ffn.next_payload(5).step_id for _ in range(5)] == [11, 12, 13, 14, 15]
+    finally:
+        attn.close()
+        ffn.close()
+    assert "Traceback" not in daemon.log()
+
+
+def test_bearer_scheme_is_case_insensitive(start_daemon):
+    daemon = start_daemon("--auth-token", TOKEN)
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = afd_pb2_grpc.AFDInspectStub(channel)
+        for given in (f"bearer {TOKEN}", f"BEARER {TOKEN}", f"Bearer  {TOKEN}"):
+            stub.GetStatus(afd_pb2.GetStatusRequest(), metadata=(("authorization", given),))
+        for given, why in (
+            (f"Bearer {TOKEN.upper()}", "authorization token is wrong"),  # the token is exact
+            (f"Basic {TOKEN}", "not a Bearer token"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetStatus(afd_pb2.GetStatusRequest(), metadata=(("authorization", given),))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert why in err.value.details()
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "serve", "--listen", "127.0.0.1:0", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_bad_tls_files_fail_with_one_line_naming_the_file(pki: Path, tmp_path: Path):
+    """Issue 10, bug 8: garbage PEM, a key of another certificate, a missing CA file."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text(
+        "-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n"
+    )
+    cert, key = str(pki / "server.pem"), str(pki / "server.key")
+    for args, message in (
+        (["--tls-cert", str(garbage), "--tls-key", key], f"--tls-cert {garbage}: not a PEM"),
+        (["--tls-cert", cert, "--tls-key", str(garbage)], f"--tls-key {garbage}: not an"),
+        (
+            ["--tls-cert", cert, "--tls-key", str(pki / "client.key")],
+            f"--tls-key {pki / 'client.key'} is not the private key of --tls-cert {cert}",
+        ),
+        (
+            ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", str(garbage)],
+            f"--tls-client-ca {garbage}: not a PEM certificate",
+        ),
+    ):
+        out = serve(*args)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+    status = subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "status", "--tls-ca", "/missing.pem"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 2, status.stderr
+    assert status.stderr.strip() == "afd-ctl status: TLS CA /missing.pem: no such file"
+
+
+def test_status_into_a_closed_pipe_exits_quietly(start_daemon):
+    """`afd-ctl status | head`: the reader is gone before the writer writes (issue 10, bug 8)."""
+    daemon = start_daemon()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "afd_ctl.cli", "status", "--controller", daemon.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # type: ignore[union-attr]
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 141 and err == "", err

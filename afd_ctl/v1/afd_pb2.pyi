@@ -12,9 +12,20 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     ATTENTION: _ClassVar[Role]
     FFN: _ClassVar[Role]
+
+class Health(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HEALTH_UNSPECIFIED: _ClassVar[Health]
+    SERVING: _ClassVar[Health]
+    NOT_SERVING: _ClassVar[Health]
+    DRAINING: _ClassVar[Health]
 ROLE_UNSPECIFIED: Role
 ATTENTION: Role
 FFN: Role
+HEALTH_UNSPECIFIED: Health
+SERVING: Health
+NOT_SERVING: Health
+DRAINING: Health
 
 class DPMetadata(_message.Message):
     __slots__ = ("num_tokens_across_dp", "max_tokens_across_dp")
@@ -130,14 +141,16 @@ class View(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., expected_attention: _Optional[int] = ..., expected_ffn: _Optional[int] = ..., complete: _Optional[bool] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., sender_ranks: _Optional[_Iterable[int]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("worker", "view", "is_sender")
+    __slots__ = ("worker", "view", "is_sender", "publish_secret")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     IS_SENDER_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_SECRET_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
     view: View
     is_sender: bool
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., is_sender: _Optional[bool] = ...) -> None: ...
+    publish_secret: str
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., is_sender: _Optional[bool] = ..., publish_secret: _Optional[str] = ...) -> None: ...
 
 class MembershipEvent(_message.Message):
     __slots__ = ("kind", "worker", "reason", "view", "at_s")
@@ -198,14 +211,34 @@ class SessionMessage(_message.Message):
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., event: _Optional[_Union[MembershipEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class PublishRejected(_message.Message):
-    __slots__ = ("step_id", "code", "message")
+    __slots__ = ("step_id", "code", "message", "reason")
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[PublishRejected.Reason]
+        NOT_A_SENDER: _ClassVar[PublishRejected.Reason]
+        WRONG_SENDER_RANK: _ClassVar[PublishRejected.Reason]
+        STALE_EPOCH: _ClassVar[PublishRejected.Reason]
+        STEP_NOT_INCREASING: _ClassVar[PublishRejected.Reason]
+        INVALID_STAGES: _ClassVar[PublishRejected.Reason]
+        SET_INCOMPLETE: _ClassVar[PublishRejected.Reason]
+        SESSION_ENDED: _ClassVar[PublishRejected.Reason]
+    REASON_UNSPECIFIED: PublishRejected.Reason
+    NOT_A_SENDER: PublishRejected.Reason
+    WRONG_SENDER_RANK: PublishRejected.Reason
+    STALE_EPOCH: PublishRejected.Reason
+    STEP_NOT_INCREASING: PublishRejected.Reason
+    INVALID_STAGES: PublishRejected.Reason
+    SET_INCOMPLETE: PublishRejected.Reason
+    SESSION_ENDED: PublishRejected.Reason
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     code: int
     message: str
-    def __init__(self, step_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: PublishRejected.Reason
+    def __init__(self, step_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[PublishRejected.Reason, str]] = ...) -> None: ...
 
 class PublishAck(_message.Message):
     __slots__ = ("rejected",)
@@ -240,7 +273,7 @@ class SubscriberLag(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., queued: _Optional[int] = ..., last_step_id: _Optional[int] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events")
+    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +285,7 @@ class Status(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     LISTEN_FIELD_NUMBER: _ClassVar[int]
     RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_STATE_FIELD_NUMBER: _ClassVar[int]
     health: str
     epoch: int
     controller_incarnation: str
@@ -263,7 +297,8 @@ class Status(_message.Message):
     uptime_s: float
     listen: str
     recent_events: _containers.RepeatedCompositeFieldContainer[MembershipEvent]
-    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ...) -> None: ...
+    health_state: Health
+    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("role",)

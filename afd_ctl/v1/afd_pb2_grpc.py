@@ -27,7 +27,9 @@ if _version_not_supported:
 
 class AFDControllerStub:
     """The per-step path. Call metadata: "authorization: Bearer TOKEN" when the daemon has a token;
-    Publish also needs "afd-worker-id" naming a registered attention worker.
+    Publish also needs "afd-worker-id" naming a registered attention worker and
+    "afd-publish-secret" from that worker's Registered answer (PERMISSION_DENIED otherwise: no
+    client may publish as a worker it did not register).
     """
 
     def __init__(self, channel):
@@ -50,7 +52,9 @@ class AFDControllerStub:
 
 class AFDControllerServicer:
     """The per-step path. Call metadata: "authorization: Bearer TOKEN" when the daemon has a token;
-    Publish also needs "afd-worker-id" naming a registered attention worker.
+    Publish also needs "afd-worker-id" naming a registered attention worker and
+    "afd-publish-secret" from that worker's Registered answer (PERMISSION_DENIED otherwise: no
+    client may publish as a worker it did not register).
     """
 
     def Session(self, request_iterator, context):
@@ -58,8 +62,10 @@ class AFDControllerServicer:
         heartbeats flow. The worker sends `register` first, then heartbeats; the daemon answers
         `registered`, then payloads (FFN workers), membership events and heartbeats. The stream
         ends with a status when registration is refused (ALREADY_EXISTS, INVALID_ARGUMENT,
-        UNAUTHENTICATED, UNAVAILABLE while draining), when the worker falls behind
-        (RESOURCE_EXHAUSTED) or when it stops sending heartbeats (UNAVAILABLE).
+        UNAUTHENTICATED, UNAVAILABLE while draining), when a message does not parse
+        (INVALID_ARGUMENT), when the worker falls behind by --subscriber-queue messages
+        (RESOURCE_EXHAUSTED, seen after what was already in flight) or when it stops sending
+        heartbeats (UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,7 +102,9 @@ def add_AFDControllerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class AFDController:
     """The per-step path. Call metadata: "authorization: Bearer TOKEN" when the daemon has a token;
-    Publish also needs "afd-worker-id" naming a registered attention worker.
+    Publish also needs "afd-worker-id" naming a registered attention worker and
+    "afd-publish-secret" from that worker's Registered answer (PERMISSION_DENIED otherwise: no
+    client may publish as a worker it did not register).
     """
 
     @staticmethod
@@ -204,7 +212,9 @@ class AFDInspectServicer:
 
     def Tap(self, request, context):
         """Live membership events (and payloads with include_payloads) until the client hangs up.
-        A tap that falls behind is cut off with RESOURCE_EXHAUSTED.
+        Response headers come at once, so a client knows it is subscribed. A tap that falls
+        behind (--subscriber-queue events unread) is cut off with RESOURCE_EXHAUSTED; a client that
+        does not read sees that status after what was already in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
