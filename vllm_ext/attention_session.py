@@ -24,6 +24,7 @@ from afd_ctl.payloads import make_payload
 from afd_data.errors import AfdBadInput, AfdDataError
 from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
+from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import AttentionExchange, StepShape, expected_counts
 from vllm_ext.step_failures import AfdStepFailed
 
@@ -76,13 +77,14 @@ class AttentionSession:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        from afd_ctl.client import ControllerClient, WorkerSpec
+        from afd_ctl.client import WorkerSpec
         from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
         model_config = self.vllm_config.model_config
         max_tokens = afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens
-        num_attention, num_ffn = expected_counts(afd.controller, afd.connect_timeout_s)
+        access = ControlAccess.of(afd)
+        num_attention, num_ffn = expected_counts(access, afd.connect_timeout_s)
         if num_attention != self.dp_size * self.tp_size:
             raise ValueError(
                 f"afd-ctl expects {num_attention} attention ranks but this server has "
@@ -109,7 +111,7 @@ class AttentionSession:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
         )
-        self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
+        self._client = access.client(spec, self._exchange.blob())
         follow_losses(self._client, self._exchange.transport)
         self._loss_watch = StuckLossWatch(
             self._client, self._exchange.transport, f"attention rank {self.role_rank}"

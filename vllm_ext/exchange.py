@@ -16,9 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm_ext.control import ControlAccess
 
 log = logging.getLogger(__name__)
 
@@ -35,30 +38,31 @@ class StepShape:
         return [self.stages[s] for s in sorted(self.stages)]
 
 
-def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
-    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer."""
+def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
+    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer; wrong
+    credentials fail at once (AfdCredentialsRefused), saying so."""
     import grpc
 
-    from afd_ctl.channel import open_channel
-    from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+    from afd_ctl.v1 import afd_pb2
+    from vllm_ext.control import StatusQuery
 
     deadline = time.monotonic() + timeout_s
-    channel = open_channel(controller)
+    query = StatusQuery(access)
     try:
-        stub = afd_pb2_grpc.AFDInspectStub(channel)
         while True:
             try:
-                status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=5)
+                status = query.get(timeout_s=5)
                 break
             except grpc.RpcError as exc:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"afd-ctl at {controller} did not answer within {timeout_s:.0f} s "
-                        f"({exc.code().name}); is `afd-ctl serve` running there?"
+                        f"afd-ctl at {access.describe()} did not answer within {timeout_s:.0f} s "
+                        f"({exc.code().name}: {exc.details()}); is `afd-ctl serve` running "
+                        "there, with the TLS settings this worker has?"
                     ) from None
                 time.sleep(0.5)
     finally:
-        channel.close()
+        query.close()
     counts = {r.role: r.expected for r in status.roles}
     return counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
 

@@ -34,6 +34,7 @@ from afd_ctl.errors import (
 )
 from afd_ctl.payloads import stage_counts
 from vllm_ext.config import AfdConfig, from_vllm_config
+from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
 from vllm_ext.ffn_graphs import FfnGraphRunner
 from vllm_ext.model_split import router_columns
@@ -84,12 +85,13 @@ class FfnWorker:
         self._stop.set()
 
     def run(self) -> int:
-        from afd_ctl.client import ControllerClient, WorkerSpec
+        from afd_ctl.client import WorkerSpec
         from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
         hf = self.vllm_config.model_config.hf_config
-        num_attention, num_ffn = expected_counts(afd.controller, afd.connect_timeout_s)
+        access = ControlAccess.of(afd)
+        num_attention, num_ffn = expected_counts(access, afd.connect_timeout_s)
         if afd.ffn_rank >= num_ffn:
             raise ValueError(
                 f"afd ffn_rank {afd.ffn_rank} but afd-ctl expects {num_ffn} FFN ranks "
@@ -110,7 +112,7 @@ class FfnWorker:
             attention_tp_size=afd.attention_tp_size,
         )
         spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
-        self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
+        self._client = access.client(spec, self._exchange.blob())
         follow_losses(self._client, self._exchange.transport)
         self._loss_watch = StuckLossWatch(
             self._client, self._exchange.transport, f"ffn rank {afd.ffn_rank}"

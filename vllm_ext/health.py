@@ -14,7 +14,10 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_ext.config import AfdConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +29,13 @@ ASK_TIMEOUT_S = 0.5
 class AfdSideMonitor:
     """What afd-ctl says about the expected set, asked at most every CACHE_S."""
 
-    def __init__(self, controller: str) -> None:
-        self.controller = controller
+    def __init__(self, afd: AfdConfig) -> None:
+        from vllm_ext.control import ControlAccess, StatusQuery
+
+        access = ControlAccess.of(afd)
+        self.controller = afd.controller
+        self._query = StatusQuery(access)
         self._lock = threading.Lock()
-        self._stub: Any = None
         self._asked_at = float("-inf")
         self._problem: str | None = None
         self._reported: str | None = None
@@ -58,9 +64,12 @@ class AfdSideMonitor:
         import grpc
 
         from afd_ctl.v1 import afd_pb2
+        from vllm_ext.control import AfdCredentialsRefused
 
         try:
-            status = self._inspect().GetStatus(afd_pb2.GetStatusRequest(), timeout=ASK_TIMEOUT_S)
+            status = self._query.get(timeout_s=ASK_TIMEOUT_S)
+        except AfdCredentialsRefused as exc:
+            return str(exc)
         except grpc.RpcError as exc:
             return f"afd-ctl at {self.controller} is unreachable ({exc.code().name})"
         if status.health == "SERVING":
@@ -69,14 +78,6 @@ class AfdSideMonitor:
             f"{afd_pb2.Role.Name(r.role).lower()} {r.registered}/{r.expected}" for r in status.roles
         )
         return f"afd-ctl at {self.controller} reports {status.health} ({roles} registered)"
-
-    def _inspect(self) -> Any:
-        if self._stub is None:
-            from afd_ctl.channel import open_channel
-            from afd_ctl.v1 import afd_pb2_grpc
-
-            self._stub = afd_pb2_grpc.AFDInspectStub(open_channel(self.controller))
-        return self._stub
 
 
 def not_serving_error(problem: str) -> Exception:

@@ -217,7 +217,7 @@ def _wrap_api_server(afd: AfdConfig) -> None:
 
     if getattr(AsyncLLM.check_health, _MARK, False):
         return
-    monitor = health.AfdSideMonitor(afd.controller)
+    monitor = health.AfdSideMonitor(afd)
     check_health = health.wrap_check_health(AsyncLLM.check_health, monitor)
     setattr(check_health, _MARK, True)
     AsyncLLM.check_health = check_health
