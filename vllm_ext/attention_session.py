@@ -259,6 +259,12 @@ class AttentionSession:
                 after_epoch=transport.epoch or 0,
             )
         except AfdTimeout:
+            if self._loss_watch.controller_lost:
+                raise AfdNotReady(
+                    f"afd-ctl at {self.afd.controller} is unreachable; the workers register "
+                    "again by themselves once it is back (restart it if it died); /health is "
+                    "503 until then"
+                ) from None
             if only_here:
                 raise AfdNotReady(
                     f"the data plane lost its FFN peer ({transport.lost}) while afd-ctl at "

@@ -42,6 +42,9 @@ from vllm_ext.model_split import router_columns
 log = logging.getLogger("vllm_ext.ffn_server")
 
 POLL_S = 0.5
+# While no payload comes: the data plane is polled this often (a peer settling its transfers
+# at reconnect needs this side to poll too; see NixlTransport.poll_idle).
+IDLE_POLL_S = 0.05
 # Waiting for peers: log this often.
 WAIT_LOG_S = 30.0
 STAT_WINDOW = 1000
@@ -78,6 +81,7 @@ class FfnWorker:
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
         self._profiler: Any = None
+        self._said_unreachable = False
 
     def request_stop(self, reason: str) -> None:
         log.info("afd ffn %s: stop requested (%s)", self.worker_id, reason)
@@ -137,8 +141,12 @@ class FfnWorker:
             self._connect(view)
             while not self._stop.is_set():
                 try:
-                    self.run_step(self._client.next_payload(timeout_s=POLL_S))
+                    payload = self._client.next_payload(timeout_s=IDLE_POLL_S)
+                    if self._follow_epoch(payload):
+                        self.run_step(payload)
+                    self._said_unreachable = False
                 except AfdTimeout:
+                    self._poll_idle()
                     continue
                 except AfdStopped as exc:
                     log.info(
@@ -161,8 +169,12 @@ class FfnWorker:
                     self._connect(view)
                     continue
                 except AfdControllerUnreachable as exc:
-                    log.warning("afd ffn %s: %s", self.worker_id, exc)
-                    time.sleep(POLL_S)
+                    # The client re-registers by itself; say so once, not at every poll.
+                    if not self._said_unreachable:
+                        log.warning("afd ffn %s: %s", self.worker_id, exc)
+                        self._said_unreachable = True
+                    self._poll_idle()
+                    time.sleep(IDLE_POLL_S)
                     continue
             return 0
         except Exception as exc:
@@ -175,6 +187,54 @@ class FfnWorker:
             return 1
         finally:
             self.close()
+
+    def _poll_idle(self) -> None:
+        if self._exchange is not None:
+            self._exchange.transport.poll_idle()
+
+    def _follow_epoch(self, payload: Any) -> bool:
+        """True when the data plane is in the payload's epoch, reconnecting it first when the
+        payload is of a newer one; False for a payload to drop.
+
+        afd-ctl may move to a new epoch without a PEER_LOST reaching this loop: after a
+        restart of the daemon both workers register anew, and if this one completes the set
+        its registration already brings the complete view of the new epoch. The attention
+        side then publishes in that epoch, so its first payload is how the loop learns."""
+        assert self._exchange is not None and self._client is not None
+        current = self._exchange.transport.epoch or 0
+        if payload.epoch == current:
+            return True
+        if payload.epoch < current:
+            log.info(
+                "afd ffn %s: dropped step %d of epoch %d (now at epoch %d)",
+                self.worker_id,
+                payload.step_id,
+                payload.epoch,
+                current,
+            )
+            return False
+        # The view that made the attention side publish in this epoch came before its payload
+        # on the same session stream, so it is already here.
+        view = self._client.wait_complete(timeout_s=self.afd.step_timeout_s, after_epoch=current)
+        if view.epoch != payload.epoch:
+            log.info(
+                "afd ffn %s: dropped step %d of epoch %d (afd-ctl is at epoch %d)",
+                self.worker_id,
+                payload.step_id,
+                payload.epoch,
+                view.epoch,
+            )
+            self._connect(view)
+            return False
+        log.warning(
+            "afd ffn %s: step %d is of epoch %d, the data plane of epoch %d: reconnecting first",
+            self.worker_id,
+            payload.step_id,
+            payload.epoch,
+            current,
+        )
+        self._connect(view)
+        return True
 
     def _wait_for_peers(self, after_epoch: int) -> Any:
         """The next complete view newer than `after_epoch`, or None once a stop is requested.
@@ -190,10 +250,11 @@ class FfnWorker:
         next_log = started + WAIT_LOG_S
         while not self._stop.is_set():
             try:
-                view = self._client.wait_complete(timeout_s=POLL_S, after_epoch=after_epoch)
+                view = self._client.wait_complete(timeout_s=IDLE_POLL_S, after_epoch=after_epoch)
                 self._loss_watch.reset()
                 return view
             except AfdTimeout as exc:
+                self._poll_idle()
                 self._loss_watch.check()
                 now = time.monotonic()
                 if now >= next_log:
@@ -234,8 +295,9 @@ class FfnWorker:
     def _connect(self, view: Any) -> None:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
-        assert self._exchange is not None
+        assert self._exchange is not None and self._loss_watch is not None
         self._exchange.connect(view)
+        self._loss_watch.reset()
         log.info(
             "afd ffn %s: serving attention ranks %s at epoch %d",
             self.worker_id,
