@@ -48,6 +48,9 @@ def kill_daemon_mid_stream(servers: AfdServers) -> tuple[float, float]:
     assert killed_at, f"the stream ended before the kill: {events}"
     errors = [e["error"] for e in events if "error" in e]
     assert errors, f"the stream ended without an error: {events[-3:]}"
+    # The same type and code as a plain request's 503.
+    assert errors[-1]["type"] == "ServiceUnavailableError", errors[-1]
+    assert errors[-1]["code"] == 503, errors[-1]
     return killed_at, ended_at
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import AttentionExchange, StepShape, expected_counts
+from vllm_ext.metrics import AttentionMetrics, worker_files
 from vllm_ext.step_failures import AfdStepFailed
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class AttentionSession:
         self._is_sender = False
         self._lock = threading.Lock()
         self._profiler: Any = None
+        self._metrics = AttentionMetrics(None)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,6 +127,9 @@ class AttentionSession:
                 f"was built for rank {self.role_rank}"
             )
         self._exchange.connect(view)
+        self._metrics = AttentionMetrics(worker_files())
+        self._exchange.metrics = self._metrics
+        self._metrics.connected(view.epoch, reconnect=False)
         model_split.set_exchange(self.exchange)
         log.info(
             "afd attention %s: rank %d of %d, epoch %d, %d ffn peer(s), sender=%s, %s",
@@ -184,7 +189,7 @@ class AttentionSession:
         counts = self._counts(num_tokens, across_dp)
         self.step_id += 1
         shape = StepShape(step_id=self.step_id, stages={0: counts})
-        with _step_failures(self.step_id, recoverable=self.tp_size == 1):
+        with _step_failures(self.step_id, recoverable=self.tp_size == 1, on_failure=self._failed):
             self._ensure_connected()
             # Data-plane state first (buffers for this step), then the control message; the
             # step counts as open (see _finish_abandoned_step) only once it is published.
@@ -280,6 +285,7 @@ class AttentionSession:
         self._loss_watch.reset()
         self._client.discard_rejections()  # refusals of payloads from before the reconnect
         self._exchange.connect(view)
+        self._metrics.connected(view.epoch, reconnect=True)
         log.warning(
             "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",
             self.worker_id,
@@ -308,16 +314,41 @@ class AttentionSession:
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
-        with _step_failures(shape.step_id, layer_idx, recoverable=self.tp_size == 1):
+        with _step_failures(
+            shape.step_id, layer_idx, recoverable=self.tp_size == 1, on_failure=self._failed
+        ):
             out = exchange.exchange(layer_idx, 0, hidden_states, router_logits)
         self._layers_done = layer_idx + 1
         return out
 
     def end_step(self) -> None:
         if self._exchange is not None and self._shape is not None:
-            with _step_failures(self._shape.step_id, recoverable=self.tp_size == 1):
+            with _step_failures(
+                self._shape.step_id, recoverable=self.tp_size == 1, on_failure=self._failed
+            ):
                 self._exchange.end_step()
+            self._metrics.flush()
         self._shape = None
+
+    def _failed(self, exc: BaseException) -> None:
+        """Counts a failed step by reason (afd_failed_steps_total)."""
+        from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdRejected
+
+        if isinstance(exc, AfdControllerUnreachable) or (
+            self._loss_watch is not None and self._loss_watch.controller_lost
+        ):
+            reason = "controller_unreachable"
+        elif isinstance(exc, AfdPeerLost):
+            reason = "peer_lost"
+        elif isinstance(exc, AfdNotReady):
+            reason = "not_ready"
+        elif isinstance(exc, AfdTimeout):
+            reason = "timeout"
+        elif isinstance(exc, AfdRejected):
+            reason = "rejected"
+        else:
+            reason = "other"
+        self._metrics.failed_step(reason)
 
 
 def _tp_rank() -> int:
@@ -338,7 +369,11 @@ def _worker_id(base: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int
 
 @contextlib.contextmanager
 def _step_failures(
-    step_id: int, layer: int | None = None, *, recoverable: bool = True
+    step_id: int,
+    layer: int | None = None,
+    *,
+    recoverable: bool = True,
+    on_failure: Callable[[BaseException], None] | None = None,
 ) -> Iterator[None]:
     """AFD errors of a step become AfdStepFailed, which fails the step's requests only.
 
@@ -349,6 +384,8 @@ def _step_failures(
     except AfdBadInput as exc:  # a setting or an extension bug: every step would fail alike
         raise RuntimeError(f"afd: step {step_id}: {exc}") from exc
     except (AfdError, AfdDataError) as exc:
+        if on_failure is not None:
+            on_failure(exc)
         where = f"step {step_id}" + (f", layer {layer}" if layer is not None else "")
         if not recoverable:
             raise RuntimeError(

@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from vllm_ext.control import ControlAccess
+    from vllm_ext.metrics import AttentionMetrics
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class AttentionExchange(_Exchange):
         # `exchanges` layer exchanges (where a step's AFD time goes; see stats()).
         self.post_s = self.wait_s = 0.0
         self.exchanges = 0
+        self.metrics: AttentionMetrics | None = None  # afd_hop_seconds and the byte counts
 
     def stats(self) -> dict[str, float]:
         n = max(1, self.exchanges)
@@ -185,12 +187,17 @@ class AttentionExchange(_Exchange):
         self.transport.send_hidden(layer, stage, staged, staged_router)
         t1 = time.perf_counter()
         outputs = self.transport.recv_outputs(layer, stage)
+        t2 = time.perf_counter()
         self.post_s += t1 - t0
-        self.wait_s += time.perf_counter() - t1
+        self.wait_s += t2 - t1
         self.exchanges += 1
         out = _tensor(outputs[0], self.dtype)[:n].clone()
         for extra in outputs[1:]:  # expert-parallel FFN ranks: partial sums
             out.add_(_tensor(extra, self.dtype)[:n])
+        if self.metrics is not None:
+            row = hidden_states.element_size() * (hidden_states.numel() // max(1, n))
+            sent = row + (0 if router_logits is None else router_logits[:1].nbytes)
+            self.metrics.hop(t2 - t0, n * sent * len(outputs), n * row * len(outputs))
         return out.view_as(hidden_states)
 
 

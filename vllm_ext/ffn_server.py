@@ -37,6 +37,7 @@ from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
 from vllm_ext.ffn_graphs import FfnGraphRunner
+from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
 
 log = logging.getLogger("vllm_ext.ffn_server")
@@ -82,6 +83,8 @@ class FfnWorker:
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
         self._profiler: Any = None
         self._said_unreachable = False
+        self._metrics = FfnMetrics(None)
+        self._connects = 0
 
     def request_stop(self, reason: str) -> None:
         log.info("afd ffn %s: stop requested (%s)", self.worker_id, reason)
@@ -101,6 +104,8 @@ class FfnWorker:
                 f"afd ffn_rank {afd.ffn_rank} but afd-ctl expects {num_ffn} FFN ranks "
                 "(--expect-ffn); give each FFN server a distinct ffn_rank below that"
             )
+        if afd.metrics_port:
+            self._metrics = serve_ffn_metrics(afd.metrics_host, afd.metrics_port)
         shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn)
         self.engine.finalize(shard, shards)
         self._exchange = FfnExchange(
@@ -298,6 +303,8 @@ class FfnWorker:
         assert self._exchange is not None and self._loss_watch is not None
         self._exchange.connect(view)
         self._loss_watch.reset()
+        self._metrics.connected(view.epoch, reconnect=self._connects > 0)
+        self._connects += 1
         log.info(
             "afd ffn %s: serving attention ranks %s at epoch %d",
             self.worker_id,
@@ -332,6 +339,7 @@ class FfnWorker:
         self.compute_s += compute_s
         self.send_s += send_s
         self._recent.append((recv_s, compute_s, send_s))
+        self._metrics.step(compute_s, recv_s, self.graphs.mode)
         self.steps += 1
         if self._profiler is not None:
             self._profiler.step(payload.step_id)

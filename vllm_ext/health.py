@@ -129,3 +129,21 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
         )
 
     return wrapped
+
+
+def wrap_streaming_error(convert: Any) -> Any:
+    """GenerateBaseServing._convert_generation_error_to_streaming_response: vLLM types every
+    streamed GenerationError "InternalServerError"; a failed AFD step (RetryableRequestError)
+    gets the 503 "ServiceUnavailableError" of a plain reply there too, so that clients retry
+    a stream the same way."""
+
+    def wrapped(self: Any, e: Any) -> str:
+        from vllm.exceptions import RetryableRequestError
+
+        if not isinstance(e, RetryableRequestError):
+            return convert(self, e)
+        return self.create_streaming_error_response(
+            str(e), err_type="ServiceUnavailableError", status_code=e.status_code
+        )
+
+    return wrapped

@@ -213,8 +213,9 @@ def _wrap_api_server(afd: AfdConfig) -> None:
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_ext import health
+    from vllm_ext import health, metrics
 
+    metrics.expose_worker_series()
     if getattr(AsyncLLM.check_health, _MARK, False):
         return
     monitor = health.AfdSideMonitor(afd)
@@ -223,6 +224,11 @@ def _wrap_api_server(afd: AfdConfig) -> None:
     AsyncLLM.check_health = check_health
     GenerateBaseServing._raise_if_error = health.wrap_raise_if_error(
         GenerateBaseServing._raise_if_error, monitor
+    )
+    GenerateBaseServing._convert_generation_error_to_streaming_response = (
+        health.wrap_streaming_error(
+            GenerateBaseServing._convert_generation_error_to_streaming_response
+        )
     )
 
 
