@@ -309,7 +309,9 @@ class ControllerClient:
                             log.exception("unreachable listener failed")
                 self._cond.notify_all()
                 delay = backoff * (1 + random.random() / 2)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                # At most a quarter of the liveness bound apart: a restarted daemon sees its
+                # workers again well within the bound it declares them lost in.
+                backoff = min(backoff * 2, BACKOFF_MAX_S, self.liveness_timeout_s / 4)
                 self._cond.wait(delay)
 
     def _handle(self, message: afd_pb2.SessionMessage) -> None:
