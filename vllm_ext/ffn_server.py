@@ -220,7 +220,19 @@ class FfnWorker:
             return False
         # The view that made the attention side publish in this epoch came before its payload
         # on the same session stream, so it is already here.
-        view = self._client.wait_complete(timeout_s=self.afd.step_timeout_s, after_epoch=current)
+        try:
+            view = self._client.wait_complete(
+                timeout_s=self.afd.step_timeout_s, after_epoch=current
+            )
+        except AfdTimeout as exc:
+            log.warning(
+                "afd ffn %s: dropped step %d of epoch %d: %s",
+                self.worker_id,
+                payload.step_id,
+                payload.epoch,
+                exc,
+            )
+            return False
         if view.epoch != payload.epoch:
             log.info(
                 "afd ffn %s: dropped step %d of epoch %d (afd-ctl is at epoch %d)",
@@ -305,6 +317,7 @@ class FfnWorker:
         self._loss_watch.reset()
         self._metrics.connected(view.epoch, reconnect=self._connects > 0)
         self._connects += 1
+        self._said_unreachable = False
         log.info(
             "afd ffn %s: serving attention ranks %s at epoch %d",
             self.worker_id,
