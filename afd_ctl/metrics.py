@@ -56,6 +56,13 @@ class ControllerCollector(Collector):
 
 
 def serve_metrics(controller: Controller, host: str, port: int) -> None:
+    """Serves /metrics from a thread; OSError naming --metrics-port when it cannot bind."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControllerCollector(controller))
-    start_http_server(port, addr=host, registry=registry)
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise OSError(
+            f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}; "
+            "pick another --metrics-port, or 0 to turn metrics off"
+        ) from None

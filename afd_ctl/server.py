@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -76,6 +79,11 @@ class ControllerServer:
         self.address = self._bind(server)
         self.controller.listen_address = self.address
         self._server = server
+        if config.metrics_port:
+            from afd_ctl.metrics import serve_metrics
+
+            # Before start(): a metrics port in use ends start-up before anything listens.
+            serve_metrics(self.controller, config.metrics_host, config.metrics_port)
         await self._set_health(self.controller.health)
         self.controller.health_listeners.append(
             lambda status: asyncio.get_running_loop().create_task(self._set_health(status))
@@ -91,9 +99,6 @@ class ControllerServer:
             config.expect_ffn,
         )
         if config.metrics_port:
-            from afd_ctl.metrics import serve_metrics
-
-            serve_metrics(self.controller, config.metrics_host, config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
         return self.address
 
@@ -101,6 +106,10 @@ class ControllerServer:
         config = self.config
         host, port = parse_listen(config.listen)
         target = config.listen if port is None else f"{host}:{port}"
+        # Checked first, so that the reason is one line of ours and not grpcio's log + raise.
+        problem = bind_problem(config.listen, host, port)
+        if problem:
+            raise OSError(problem)
         if port is None:
             Path(host).unlink(missing_ok=True)
         if config.tls:
@@ -110,13 +119,17 @@ class ControllerServer:
                 root_certificates=client_ca,
                 require_client_auth=client_ca is not None,
             )
-            bound = server.add_secure_port(target, credentials)
+            add_port = functools.partial(server.add_secure_port, target, credentials)
         else:
-            bound = server.add_insecure_port(target)
-        if port is None:
-            return config.listen
+            add_port = functools.partial(server.add_insecure_port, target)
+        try:
+            bound = add_port()
+        except RuntimeError:  # grpcio raises "Failed to bind" rather than returning 0
+            bound = 0
         if bound == 0:
             raise OSError(f"cannot listen on {config.listen}: address in use or not available")
+        if port is None:
+            return config.listen
         return f"{host}:{bound}"
 
     async def _set_health(self, status: str) -> None:
@@ -155,17 +168,55 @@ class ControllerServer:
         await self._stopped.wait()
 
 
+def bind_problem(listen: str, host: str, port: int | None) -> str | None:
+    """Why `listen` cannot be bound, in one line that says what to do, or None when a test
+    bind works (grpcio only logs and raises "Failed to bind")."""
+    if port is None:
+        folder = Path(host).parent
+        if not folder.is_dir():
+            return f"cannot listen on {listen}: folder {folder} does not exist; create it first"
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return (
+            f"cannot listen on {listen}: host {host!r} does not resolve ({exc.strerror}); "
+            "use an address of this machine, 127.0.0.1 or 0.0.0.0"
+        )
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            # As grpcio binds: a port in TIME_WAIT is free, a listening one is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"cannot listen on {listen}: port {port} is already in use; stop what "
+                        "holds it or pick another port (port 0: any free one)"
+                    )
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return (
+                        f"cannot listen on {listen}: {host} is not an address of this machine; "
+                        "use one of its addresses, 127.0.0.1 or 0.0.0.0"
+                    )
+                return f"cannot listen on {listen}: {exc.strerror}"
+    return None
+
+
 async def serve(config: DaemonConfig) -> None:
     server = ControllerServer(config)
-    await server.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(
-            sig, lambda s=sig: server.request_drain(f"{signal.Signals(s).name} received")
-        )
     try:
+        await server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(
+                sig, lambda s=sig: server.request_drain(f"{signal.Signals(s).name} received")
+            )
         await server.wait_stopped()
     finally:
+        # Also when start() failed half-way: a server left to the garbage collector tries to
+        # shut down on a closed event loop.
         with contextlib.suppress(Exception):
             await server.stop(grace=0)
     log.info("afd-ctl stopped")

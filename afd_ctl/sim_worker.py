@@ -1,6 +1,6 @@
 """A simulated attention or FFN worker: real registration and per-step payloads, no model.
 
-Used by `make demo`, the tests and the control-hop benchmark, and handy for smoke-testing a
+Used by `make demo-sim`, the tests and the control-hop benchmark, and handy for smoke-testing a
 daemon (`python -m afd_ctl.sim_worker --role ffn --controller HOST:PORT`). Payload contents are
 a function of the step id, so the FFN side verifies every payload it receives: nothing lost,
 duplicated, reordered or altered. The last stdout line is a JSON report.

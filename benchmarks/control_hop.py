@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import struct
@@ -235,6 +236,7 @@ def spawn(mode: str, rank: int, address: str, steps: int, stall: bool) -> subpro
 
 def run_round(mode: str, steps: int, stall: bool = False) -> dict:
     helpers: list[subprocess.Popen] = []
+    children: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="afd-hop-")
     try:
         if mode == "afd":
@@ -259,7 +261,7 @@ def run_round(mode: str, steps: int, stall: bool = False) -> dict:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 address = str(s.getsockname()[1])
-        children = [spawn(mode, r, address, steps, stall) for r in range(SUBSCRIBERS + 1)]
+        children += [spawn(mode, r, address, steps, stall) for r in range(SUBSCRIBERS + 1)]
         for child in children:
             line = child.stdout.readline()
             assert line.strip() == "READY", f"{mode} child not ready: {line!r}"
@@ -273,9 +275,14 @@ def run_round(mode: str, steps: int, stall: bool = False) -> dict:
             assert child.returncode == 0, f"{mode} child failed"
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
+        for child in children:  # only still running when the round failed
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
         for helper in helpers:
             helper.terminate()
             helper.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
     sent = results[0]["times"]
     received = [r["times"] for r in results[1:]]
     lost = sum(steps - len(r) for r in received)
@@ -353,7 +360,7 @@ def main() -> None:
         return statistics.median(pct(x["latencies_ns"], q) for x in per_mode[mode])
 
     out: dict[str, object] = {
-        "bench": "control_hop",
+        "benchmark": "control_hop",
         "subscribers": SUBSCRIBERS,
         "rate_hz": RATE_HZ,
         "payload_bytes": len(payload_for(1).SerializeToString()),

@@ -1,8 +1,9 @@
-"""`make demo`: the control plane end to end on this machine.
+"""`make demo-sim`: the control plane end to end on this machine, without vLLM.
 
 Starts `afd-ctl serve`, one simulated attention worker and two simulated FFN workers, each in
 its own process; runs a few hundred steps through the daemon; prints `afd-ctl status`; then
-stops everything cleanly (SIGTERM drains the daemon, which exits 0).
+stops everything cleanly (SIGTERM drains the daemon, which exits 0). Its temporary folder (the
+daemon's log) is removed on exit, also on failure; a failure prints the log first.
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ import time
 from pathlib import Path
 
 STEPS = 300
+EPOCH_NOTE = (
+    "(the epoch starts at the daemon's start time in wall-clock milliseconds and goes up by "
+    "one per membership change)"
+)
 
 
 def main() -> int:
-    tmp = Path(tempfile.mkdtemp(prefix="afd-demo-"))
+    with tempfile.TemporaryDirectory(prefix="afd-demo-") as tmp:
+        return run(Path(tmp))
+
+
+def run(tmp: Path) -> int:
     python = sys.executable
     log = open(tmp / "daemon.log", "w")  # noqa: SIM115
     daemon = subprocess.Popen(
@@ -30,7 +39,7 @@ def main() -> int:
     workers: list[subprocess.Popen] = []
     try:
         address = wait_for_listen(tmp / "daemon.log", daemon)
-        print(f"afd-ctl serving on {address} (log {tmp / 'daemon.log'})")
+        print(f"afd-ctl serving on {address}")
         common = ["--controller", address, "--steps", str(STEPS), "--timeout", "30"]
         for rank in range(2):
             workers.append(spawn(python, "ffn", "--dp-rank", str(rank), "--dp-size", "2",
@@ -45,6 +54,7 @@ def main() -> int:
         ok = ok and all(r.get("received") == STEPS for r in reports if r.get("role") == "ffn")
         print()
         subprocess.run([python, "-m", "afd_ctl.cli", "status", "--controller", address], check=True)
+        print(EPOCH_NOTE)
         print()
         daemon.send_signal(signal.SIGTERM)
         code = daemon.wait(15)
@@ -52,11 +62,14 @@ def main() -> int:
             worker.wait(15)
         print(f"daemon drained and exited with {code}; workers stopped")
         print("demo " + ("OK" if ok and code == 0 else "FAILED"))
+        if not (ok and code == 0):
+            print(f"--- afd-ctl log ---\n{(tmp / 'daemon.log').read_text()}", file=sys.stderr)
         return 0 if ok and code == 0 else 1
     finally:
         for proc in (*workers, daemon):
             if proc.poll() is None:
                 proc.kill()
+                proc.wait(10)
         log.close()
 
 

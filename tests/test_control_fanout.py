@@ -73,4 +73,4 @@ def test_unix_socket_listen(start_daemon, procs, tmp_path):
         [sys.executable, "-m", "afd_ctl.cli", "status", "--json", "--controller", daemon.address],
         capture_output=True, text=True, check=True, timeout=30,
     )  # fmt: skip
-    assert json.loads(status.stdout)["steps_relayed"] == "100"
+    assert json.loads(status.stdout)["steps_relayed"] == 100

@@ -173,3 +173,34 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
     assert counts and all(len(c) == 2 for c in counts), counts
     # A request runs on one rank while the other runs a dummy batch: the counts differ.
     assert any(c[0] != c[1] for c in counts), counts
+
+
+@pytest.mark.timeout(600)
+def test_vllm_serve_default_path_without_enforce_eager(
+    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    """The README's recipe as written: no --enforce-eager, so the attention server compiles its
+    model (torch.compile) inside its warm-up steps, which take longer than step_timeout_s; the
+    FFN server waits for them with warmup_timeout_s instead of giving up as if the peer died."""
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    fast_fail = {"AFD_STEP_TIMEOUT_S": "2"}  # well below the compile time
+    ffn = Proc(
+        ffn_argv(tiny_model, daemon.address, eager=False), tmp_path / "ffn.log",
+        vllm_env(fast_fail),
+    )  # fmt: skip
+    procs.append(ffn)
+    port = free_port()
+    attention = Proc(
+        serve_argv(tiny_model, port, "--afd-role", "attention", "--afd-controller",
+                   daemon.address, eager=False),
+        tmp_path / "attention.log",
+        vllm_env(fast_fail),
+    )  # fmt: skip
+    procs.append(attention)
+    wait_http_ok(f"http://127.0.0.1:{port}/health", 300, attention.popen)
+    text, _ = ask(port, tiny_model)
+    assert text, attention.tail()
+    assert "rejoin" not in ffn.log(), ffn.tail()
+    attention.signal(signal.SIGTERM)
+    assert attention.wait(60) == 0, attention.tail()
+    assert ffn.wait(30) == 0, ffn.tail()

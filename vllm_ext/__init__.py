@@ -9,44 +9,29 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger(__name__)
+from vllm_ext.compat import SUPPORTED_LINES, AfdUnsupportedVllm, check_supported  # noqa: F401
 
-# vLLM minor versions whose internals this extension was written against.
-SUPPORTED_VLLM = ("0.32", "0.33")
+log = logging.getLogger(__name__)
 
 _registered = False
 
 
-class AfdUnsupportedVllm(RuntimeError):
-    """AFD was asked for on a vLLM version this extension was not written for."""
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
-
-
-def check_vllm_version() -> None:
-    """Raises AfdUnsupportedVllm unless the installed vLLM is one SUPPORTED_VLLM names."""
-    version = vllm_version()
-    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
-        raise AfdUnsupportedVllm(
-            f"vllm_ext (AFD) supports vLLM {', '.join(SUPPORTED_VLLM)}.x, found vLLM {version}; "
-            "install a supported vLLM or run without --afd-controller/--afd-role"
-        )
-
-
 def register() -> None:
-    """The plugin entry point; idempotent. Never raises, so vLLM without AFD is unaffected."""
+    """The plugin entry point; idempotent (vLLM calls it again in later stages of a process,
+    when more of its modules are loaded). Never raises, so vLLM without AFD is unaffected."""
     global _registered
-    if _registered:
-        return
-    _registered = True
-    _configure_logging()
-    from vllm_ext import hooks
+    first, _registered = not _registered, True
+    if first:
+        _configure_logging()
+    from vllm_ext import compat, hooks
 
     try:
+        version = compat.vllm_version()
+        if compat.vllm_line(version) not in SUPPORTED_LINES:
+            # Nothing of vLLM is patched on a vLLM this extension was not written for; a
+            # command line or environment that asks for AFD is refused outright.
+            hooks.refuse_afd_requests(compat.unsupported_message(version))
+            return
         hooks.install()
     except Exception:  # a broken hook must not take down vLLM runs that don't use AFD
         log.exception("vllm_ext: installing the AFD hooks failed; AFD flags will not work")

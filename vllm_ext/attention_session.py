@@ -8,8 +8,10 @@ then `end_step`. Every wait is bounded by `step_timeout_s` and fails with the re
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -46,6 +48,11 @@ class StepFlags:
     def replaying(self) -> StepFlags:
         return dataclasses.replace(self, is_graph_replaying=True)
 
+    @property
+    def warmup(self) -> bool:
+        """Compile or capture may run inside this step: waits get afd warmup_timeout_s."""
+        return self.is_warmup or self.is_profile or self.is_graph_capturing
+
 
 class AttentionSession:
     def __init__(self, vllm_config: Any, afd: AfdConfig) -> None:
@@ -61,6 +68,12 @@ class AttentionSession:
         self.worker_id = _worker_id(afd.worker_id, self.dp_rank, self.dp_size, self.tp_rank,
                                     self.tp_size)  # fmt: skip
         self.step_id = 0
+        # The open step captures CUDA graphs: the graph pieces before each exchange were only
+        # recorded, not run, so their outputs are uninitialised memory; zeros go out instead.
+        self._capturing = False
+        # Steps published per CUDA-graph flag (logged at close as "afd attention flags").
+        self.flag_counts = {"capture_steps": 0, "replay_steps": 0, "eager_steps": 0}
+        self._capture_keys: set[tuple[int, ...]] = set()
         hf = vllm_config.model_config.hf_config
         self.num_layers: int = hf.num_hidden_layers
         self.hidden_size: int = hf.hidden_size
@@ -83,6 +96,9 @@ class AttentionSession:
         from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
+        # An engine that ends without shutting its workers down (vLLM 0.26's in-process LLM
+        # has no finalizer for that) still sends stop, so the FFN servers exit cleanly.
+        atexit.register(self.close)
         model_config = self.vllm_config.model_config
         max_tokens = afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens
         access = ControlAccess.of(afd)
@@ -102,6 +118,7 @@ class AttentionSession:
             hidden_size=model_config.hf_config.hidden_size,
             max_tokens=max_tokens,
             timeout_s=afd.step_timeout_s,
+            warmup_timeout_s=afd.warmup_timeout_s,
             router=model_split.router_columns(model_config.hf_config, model_config.dtype, afd.gate),
             attention_tp_size=self.tp_size,
         )
@@ -150,11 +167,14 @@ class AttentionSession:
 
     def close(self) -> None:
         """Publishes stop (sender only), then leaves the daemon; idempotent."""
+        atexit.unregister(self.close)
         with self._lock:
             client, self._client = self._client, None
             exchange, self._exchange = self._exchange, None
         model_split.set_exchange(None)
         if client is not None:
+            log.info("afd attention %s: afd attention flags %s", self.worker_id,
+                     json.dumps(self.flag_counts))  # fmt: skip
             try:
                 if self._is_sender:
                     from afd_ctl.v1 import afd_pb2
@@ -188,7 +208,7 @@ class AttentionSession:
             self._finish_abandoned_step()
         counts = self._counts(num_tokens, across_dp)
         self.step_id += 1
-        shape = StepShape(step_id=self.step_id, stages={0: counts})
+        shape = StepShape(step_id=self.step_id, stages={0: counts}, warmup=flags.warmup)
         with _step_failures(self.step_id, recoverable=self.tp_size == 1, on_failure=self._failed):
             self._ensure_connected()
             # Data-plane state first (buffers for this step), then the control message; the
@@ -205,8 +225,21 @@ class AttentionSession:
                 )
                 self._client.publish(payload)
             self._shape, self._num_tokens, self._layers_done = shape, num_tokens, 0
+            self._capturing = flags.is_graph_capturing
+            self._count_flags(flags, counts)
         if self._profiler is not None:
             self._profiler.step(self.step_id)
+
+    def _count_flags(self, flags: StepFlags, counts: list[int]) -> None:
+        """Steps published per flag: the FFN side must capture and replay exactly these."""
+        if flags.is_graph_capturing:
+            self.flag_counts["capture_steps"] += 1
+            self._capture_keys.add(tuple(counts))
+        elif flags.is_graph_replaying:
+            self.flag_counts["replay_steps"] += 1
+        else:
+            self.flag_counts["eager_steps"] += 1
+        self.flag_counts["capture_keys"] = len(self._capture_keys)
 
     def check_forward(self, num_tokens: int) -> None:
         """At the model forward: the open step must be for exactly these rows."""
@@ -314,6 +347,9 @@ class AttentionSession:
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
+        if self._capturing:
+            hidden_states = torch.zeros_like(hidden_states)
+            router_logits = None if router_logits is None else torch.zeros_like(router_logits)
         with _step_failures(
             shape.step_id, layer_idx, recoverable=self.tp_size == 1, on_failure=self._failed
         ):
@@ -352,9 +388,9 @@ class AttentionSession:
 
 
 def _tp_rank() -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm_ext import compat
 
-    return int(get_tensor_model_parallel_rank())
+    return compat.seams().tensor_parallel_rank()
 
 
 def _worker_id(base: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int) -> str:

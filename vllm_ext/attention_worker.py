@@ -1,9 +1,9 @@
 """The attention role's worker and runner seam.
 
 Worker: the platform's own worker class with one change: its model runner is our subclass of
-the platform's runner. On GPU that is `Worker._make_model_runner` (vLLM's documented override
-point); on CPU `CPUWorker.init_device` names `CPUModelRunner` directly, so the name is swapped
-for the construction window only and restored in `finally`.
+the platform's V1 runner. The worker's init_device builds the runner from a class name vLLM
+resolves at that moment; `compat.runner_class_swapped` points that name at our subclass for
+the construction window only (restored in `finally`).
 
 Runner: vLLM's own runner, with
 - `load_model`: the model is built inside `model_split.attention_split()` (MLP/MoE become
@@ -19,13 +19,10 @@ Runner: vLLM's own runner, with
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
-import torch
-from vllm.platforms import current_platform
-
+from vllm_ext import compat
 from vllm_ext.attention_session import AttentionSession, StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
@@ -39,6 +36,8 @@ class AfdAttentionRunnerMixin:
 
     _afd_session: AttentionSession | None = None
     _afd_flags: StepFlags | None = None
+    # Set while the worker runs a DP idle rank's dummy batch: a serving step, not a warm-up.
+    _afd_serving_dummy = False
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         afd = from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
@@ -58,7 +57,8 @@ class AfdAttentionRunnerMixin:
         builds attention metadata and inputs: the AFD step opens now, so its payload travels
         while the attention side prepares. Both execute_model and _dummy_run pass here."""
         result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
-        num_tokens, across_dp, replaying = _padding_decision(result)
+        num_tokens, across_dp, graph_mode = compat.seams().padding_decision(result)
+        replaying = graph_mode != "NONE"
         flags = self._afd_flags or StepFlags()
         if not flags.is_graph_capturing and replaying:
             flags = flags.replaying()
@@ -80,7 +80,7 @@ class AfdAttentionRunnerMixin:
     def _dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         is_profile = bool(kwargs.get("is_profile", False))
         self._afd_flags = StepFlags(
-            is_warmup=not is_profile,
+            is_warmup=not is_profile and not self._afd_serving_dummy,
             is_profile=is_profile,
             is_graph_capturing=bool(kwargs.get("is_graph_capturing", False)),
         )
@@ -95,52 +95,24 @@ class AfdAttentionRunnerMixin:
             self._afd_session = None
 
 
-def _padding_decision(result: tuple) -> tuple[int, list[int] | None, bool]:
-    """(padded rows, every DP rank's rows or None, replaying a CUDA graph) from what
-    `_determine_batch_execution_and_padding` returned: vLLM 0.32 gives (cudagraph mode, batch
-    descriptor, ubatch flag, num_tokens_across_dp, stats); read by type, not by position."""
-    desc = next((r for r in result if type(r).__name__ == "BatchDescriptor"), None)
-    mode = next((r for r in result if type(r).__name__ == "CUDAGraphMode"), None)
-    if desc is None:
-        raise RuntimeError(
-            "vLLM's _determine_batch_execution_and_padding returned no BatchDescriptor; "
-            "vllm_ext (AFD) needs updating for this vLLM"
-        )
-    across = next((r for r in result if isinstance(r, torch.Tensor)), None)
-    rows = None if across is None else [int(n) for n in across.tolist()]
-    return int(desc.num_tokens), rows, getattr(mode, "name", "NONE") != "NONE"
-
-
 def _runner_cls(base: type) -> type:
     return type(f"AfdAttention{base.__name__}", (AfdAttentionRunnerMixin, base), {})
 
 
-if current_platform.device_type == "cpu":
-    from vllm.v1.worker import cpu_worker as _cpu_worker
-
-    _BaseWorker: type = _cpu_worker.CPUWorker
-else:
-    from vllm.v1.worker.gpu_worker import Worker as _BaseWorker  # type: ignore[no-redef]
+_BaseWorker: type = compat.seams().base_worker_class()
 
 
 class AfdAttentionWorker(_BaseWorker):  # type: ignore[misc,valid-type]
     """The platform's worker whose model runner is the AFD attention runner."""
 
     def init_device(self) -> None:
-        if current_platform.device_type != "cpu":
-            return super().init_device()
-        with _swap_cpu_runner():
-            return super().init_device()
-
-    def _make_model_runner(self) -> Any:  # GPU only (vLLM's override point)
         if getattr(self, "use_v2_model_runner", False):
             raise NotImplementedError(
-                "AFD attention role on Model Runner V2 is not implemented yet; "
-                "set VLLM_USE_V2_MODEL_RUNNER=0"
+                "AFD's attention role runs on vLLM's V1 model runner and this worker was "
+                "configured for Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER"
             )
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        return _runner_cls(GPUModelRunner)(self.vllm_config, self.device)
+        with compat.seams().runner_class_swapped(_runner_cls):
+            return super().init_device()
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -149,10 +121,18 @@ class AfdAttentionWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             raise AfdStepFailed.reraise_short(exc) from None
 
     def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """An idle DP rank's share of a serving step (vLLM runs a dummy batch so the DP ranks
+        stay in step); its waits keep the normal step bound."""
+        runner = getattr(self, "model_runner", None)
+        if isinstance(runner, AfdAttentionRunnerMixin):
+            runner._afd_serving_dummy = True
         try:
             return super().execute_dummy_batch(*args, **kwargs)
         except AfdStepFailed as exc:
             raise AfdStepFailed.reraise_short(exc) from None
+        finally:
+            if isinstance(runner, AfdAttentionRunnerMixin):
+                runner._afd_serving_dummy = False
 
     def afd_stats(self) -> dict[str, float]:
         """This rank's exchange split; `LLM.collective_rpc("afd_stats")` gathers it."""
@@ -171,15 +151,3 @@ class AfdAttentionWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         parent = getattr(super(), "shutdown", None)
         if parent is not None:
             parent()
-
-
-@contextlib.contextmanager
-def _swap_cpu_runner():
-    original = _cpu_worker.CPUModelRunner
-    if getattr(_cpu_worker, "CPUModelRunner", None) is None:
-        raise RuntimeError("vllm.v1.worker.cpu_worker.CPUModelRunner moved; AFD needs updating")
-    _cpu_worker.CPUModelRunner = _runner_cls(original)
-    try:
-        yield
-    finally:
-        _cpu_worker.CPUModelRunner = original

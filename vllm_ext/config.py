@@ -30,6 +30,10 @@ class AfdConfig:
     connect_timeout_s: float = 120.0
     # Bound on one layer's round trip (attention) and on one payload or hidden-state wait (FFN).
     step_timeout_s: float = 10.0
+    # The same bound for warm-up, profile and CUDA-graph capture steps (the payload's flags):
+    # the attention side compiles its model (torch.compile) and captures graphs inside them,
+    # which takes seconds on a tiny model and minutes on a real one.
+    warmup_timeout_s: float = 600.0
     # Maximum tokens per attention rank per step the data plane sizes its buffers for; 0 means
     # vLLM's max_num_batched_tokens.
     max_tokens: int = 0
@@ -70,8 +74,10 @@ class AfdConfig:
             raise ValueError(
                 f"afd controller must be HOST:PORT of `afd-ctl serve`, got {self.controller!r}"
             )
-        if self.connect_timeout_s <= 0 or self.step_timeout_s <= 0:
-            raise ValueError("afd connect_timeout_s and step_timeout_s must be > 0")
+        if min(self.connect_timeout_s, self.step_timeout_s, self.warmup_timeout_s) <= 0:
+            raise ValueError(
+                "afd connect_timeout_s, step_timeout_s and warmup_timeout_s must be > 0"
+            )
         if self.max_tokens < 0:
             raise ValueError(f"afd max_tokens must be >= 0, got {self.max_tokens}")
         if self.gate not in GATE_SIDES:

@@ -1,17 +1,17 @@
 """The end-to-end demo: afd-ctl, an FFN server and an attention server on a tiny DeepSeek-V2.
 
-    python -m vllm_ext.demo [--workdir DIR] [--keep]
+    python -m vllm_ext.demo [--workdir DIR]
 
 Builds the tiny model (real-scale random weights, no hub), starts `afd-ctl serve`,
 `vllm serve --afd-role ffn`, `vllm serve --afd-role attention`, sends one OpenAI completion,
 prints the answer and `afd-ctl status`, then stops the attention server (which makes the FFN
 server exit) and the daemon. Every process is in its own session and killed on any failure.
+Model and logs go to a temporary folder removed on exit, or to --workdir DIR, which is kept.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -74,6 +74,13 @@ class Child:
         return self.popen.returncode
 
 
+def readable(text: str) -> str:
+    """`text` on one line: bytes that do not make whole characters (U+FFFD) and control
+    characters as '?', quoted so leading and trailing spaces show."""
+    shown = "".join(c if c.isprintable() and c != "\ufffd" else "?" for c in text)
+    return f"'{shown}'"
+
+
 def step(message: str) -> None:
     print(f"==> {message}", flush=True)
 
@@ -117,10 +124,21 @@ def run(workdir: Path, keep: bool = True) -> int:
         step(f"one completion: {prompt!r}")
         reply = post_json(
             f"http://127.0.0.1:{port}/v1/completions",
-            {"model": str(model), "prompt": prompt, "max_tokens": 16, "temperature": 0},
+            {
+                "model": str(model),
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
         )
-        print(f"    answer: {json.dumps(reply['choices'][0]['text'])}")
-        print("    (random weights: the words are noise, but they equal a colocated run's)")
+        choice = reply["choices"][0]
+        print(f"    text:      {readable(choice['text'])}")
+        print(f"    token ids: {choice.get('token_ids')}")
+        print(
+            "    The weights are random, so the text is nonsense (and pieces of characters show "
+            "as '?'); what matters is that the tokens equal a colocated run's."
+        )
 
         step("afd-ctl status")
         status = subprocess.run(
@@ -128,6 +146,10 @@ def run(workdir: Path, keep: bool = True) -> int:
             capture_output=True, text=True, timeout=30, env={**os.environ, **env},
         )  # fmt: skip
         print(status.stdout.rstrip())
+        print(
+            "    (the epoch starts at the daemon's start time in wall-clock milliseconds and "
+            "goes up by one per membership change)"
+        )
 
         step("stopping the attention server (it tells the FFN server to stop)")
         print(f"    attention exited {attention.stop()}")

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# While afd-ctl does not answer at start-up: say so at once, then this often.
+UNANSWERED_LOG_S = 10.0
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -34,6 +37,9 @@ class StepShape:
     step_id: int
     stages: dict[int, list[int]] = field(default_factory=dict)
     epoch: int | None = None
+    # A warm-up, profile or capture step (the payload's flags): the attention side may compile
+    # its model or capture CUDA graphs inside it, so its waits get the warm-up bound.
+    warmup: bool = False
 
     def per_stage(self) -> list[list[int]]:
         return [self.stages[s] for s in sorted(self.stages)]
@@ -47,20 +53,43 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
     from afd_ctl.v1 import afd_pb2
     from vllm_ext.control import StatusQuery
 
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_log = started  # the first failure is said at once, then every UNANSWERED_LOG_S
     query = StatusQuery(access)
+    controller = access.describe()
     try:
         while True:
             try:
                 status = query.get(timeout_s=5)
                 break
             except grpc.RpcError as exc:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeoutError(
-                        f"afd-ctl at {access.describe()} did not answer within {timeout_s:.0f} s "
+                        f"afd-ctl at {controller} did not answer within {timeout_s:.0f} s "
                         f"({exc.code().name}: {exc.details()}); is `afd-ctl serve` running "
                         "there, with the TLS settings this worker has?"
                     ) from None
+                if now >= next_log:
+                    if next_log == started:
+                        log.warning(
+                            "afd: afd-ctl at %s does not answer (%s); is `afd-ctl serve` running "
+                            "there? Retrying for up to %.0f s (afd connect_timeout_s)",
+                            controller,
+                            exc.code().name,
+                            timeout_s,
+                        )
+                    else:
+                        log.warning(
+                            "afd: afd-ctl at %s still does not answer after %.0f s (%s); "
+                            "retrying for another %.0f s",
+                            controller,
+                            now - started,
+                            exc.code().name,
+                            deadline - now,
+                        )
+                    next_log = now + UNANSWERED_LOG_S
                 time.sleep(0.5)
     finally:
         query.close()
@@ -85,7 +114,17 @@ def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: 
         router_dtype=router[1],
         attention_tp_size=attention_tp_size,
     )
-    return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config)
+    return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config, device=_device())
+
+
+def _device() -> str:
+    """Where the worker's model runs: its buffers live there (VRAM of the worker's current
+    CUDA device on GPU, so NIXL writes GPU to GPU; host DRAM on CPU)."""
+    from vllm_ext import compat
+
+    if compat.seams().on_cpu():
+        return "cpu"
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -106,11 +145,21 @@ class _Exchange:
     ROLE = ""
 
     def __init__(
-        self, *, name: str, rank: int, dtype: torch.dtype, router: tuple[int, str], **sizes: Any
+        self,
+        *,
+        name: str,
+        rank: int,
+        dtype: torch.dtype,
+        router: tuple[int, str],
+        warmup_timeout_s: float | None = None,
+        **sizes: Any,
     ) -> None:
         self.dtype = dtype
         self.router_dtype = _torch_dtype(router[1])
         self.transport = _transport(name, self.ROLE, rank, dtype=dtype, router=router, **sizes)
+        self.warmup_timeout_s = warmup_timeout_s
+        # This step's bound on each wait for the peers' rows or outputs (None: timeout_s).
+        self.wait_bound_s: float | None = None
 
     def blob(self) -> bytes:
         return self.transport.blob()
@@ -136,6 +185,7 @@ class _Exchange:
     def begin_step(self, shape: StepShape) -> None:
         """Sizes the step; the FFN side also checks the payload's epoch (shape.epoch)."""
         self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
+        self.wait_bound_s = self.warmup_timeout_s if shape.warmup else None
 
     def end_step(self) -> None:
         self.transport.end_step()
@@ -186,7 +236,7 @@ class AttentionExchange(_Exchange):
             raise RuntimeError("afd: router logits given but the data plane carries none")
         self.transport.send_hidden(layer, stage, staged, staged_router)
         t1 = time.perf_counter()
-        outputs = self.transport.recv_outputs(layer, stage)
+        outputs = self.transport.recv_outputs(layer, stage, timeout_s=self.wait_bound_s)
         t2 = time.perf_counter()
         self.post_s += t1 - t0
         self.wait_s += t2 - t1
@@ -207,7 +257,7 @@ class FfnExchange(_Exchange):
     def recv(self, layer: int, stage: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every peer's rows, concatenated, and their router logits (gate on the attention
         side) or None."""
-        batch = self.transport.recv_hidden(layer, stage)
+        batch = self.transport.recv_hidden(layer, stage, timeout_s=self.wait_bound_s)
         router = None if batch.router is None else _tensor(batch.router, self.router_dtype)
         return _tensor(batch.hidden, self.dtype), router
 

@@ -6,9 +6,11 @@ a forward context per call) and nothing else: no KV cache, no attention weights,
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from vllm_ext import compat
 from vllm_ext.model_split import FfnStack, finalize_ffn_stack, load_ffn_stack
 
 log = logging.getLogger(__name__)
@@ -35,10 +38,8 @@ class FfnEngine:
     ) -> None:
         """Loads the weights; with finalize=False call `finalize(shard, shards)` before use
         (an FFN rank learns its expert shard only when it registers)."""
-        from vllm.config import set_current_vllm_config
-
         self.vllm_config = vllm_config
-        with set_current_vllm_config(vllm_config):
+        with compat.seams().current_vllm_config(vllm_config):
             if init_distributed:
                 _init_one_rank_world(vllm_config)
             self.stack: FfnStack = load_ffn_stack(vllm_config)
@@ -53,8 +54,6 @@ class FfnEngine:
         self.dtype: torch.dtype = vllm_config.model_config.dtype
 
     def finalize(self, shard: int, shards: int) -> None:
-        from vllm.config import set_current_vllm_config
-
         if self.ready:
             if (shard, shards) != self.shard:
                 raise RuntimeError(
@@ -62,7 +61,7 @@ class FfnEngine:
                     "restart this FFN server"
                 )
             return
-        with set_current_vllm_config(self.vllm_config):
+        with compat.seams().current_vllm_config(self.vllm_config):
             finalize_ffn_stack(self.stack, self.vllm_config, shard, shards)
         self.shard = (shard, shards)
         self.ready = True
@@ -83,38 +82,26 @@ class FfnEngine:
         self, layer_idx: int, hidden_states: torch.Tensor, router: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`router`: the router logits when the gate runs on the attention side."""
-        from vllm.forward_context import set_forward_context
-
+        forward_context = compat.seams().forward_context
         rows = hidden_states.shape[0]
         if self._step_stack is not None and self._step_rows in (None, rows):
             if self._step_rows is None:
-                self._step_stack.enter_context(
-                    set_forward_context(None, self.vllm_config, num_tokens=rows)
-                )
+                self._step_stack.enter_context(forward_context(self.vllm_config, rows))
                 self._step_rows = rows
             return self.stack.forward_layer(layer_idx, hidden_states, router)
-        with set_forward_context(None, self.vllm_config, num_tokens=rows):
+        with forward_context(self.vllm_config, rows):
             return self.stack.forward_layer(layer_idx, hidden_states, router)
 
 
 def _init_one_rank_world(vllm_config: Any) -> None:
     """vLLM's parallel groups for a world of one (gloo on CPU), as a worker would set them up."""
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-    from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
-
-    if model_parallel_is_initialized():
-        return
+    seams = compat.seams()
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    if current_platform.device_type == "cpu":
-        path = tempfile.mktemp(prefix="afd-ffn-dist-")
-        method = f"file://{path}"
+    if seams.on_cpu():
+        # The file store lives in a folder of our own, removed when the process exits.
+        folder = tempfile.mkdtemp(prefix="afd-ffn-dist-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        method = f"file://{folder}/store"
     else:
         method = f"tcp://127.0.0.1:{_free_port()}"
-    init_worker_distributed_environment(
-        vllm_config,
-        rank=0,
-        distributed_init_method=method,
-        local_rank=0,
-        backend=current_platform.dist_backend,
-    )
+    seams.init_one_rank_world(vllm_config, method)

@@ -67,9 +67,11 @@ class FfnGraphRunner:
         self._key: Key = ()
         self._mode = EAGER
         self._step = -1
+        # Per layer and stage: graphs captured, replays, eager runs; per step: the mode.
         self.captures = 0
         self.replays = 0
         self.eager_runs = 0
+        self.steps = {EAGER: 0, CAPTURE: 0, REPLAY: 0}
 
     @property
     def mode(self) -> str:
@@ -79,6 +81,7 @@ class FfnGraphRunner:
         self._key = graph_key(payload)
         self._mode = graph_mode(payload, self.enabled)
         self._step = payload.step_id
+        self.steps[self._mode] += 1
         captured = {k[0] for k in self._graphs}
         if self._mode == REPLAY and self._key not in captured:
             raise FfnGraphMissing(
@@ -86,6 +89,17 @@ class FfnGraphRunner:
                 f"{self._key}, which was never captured (captured: {sorted(captured)}); the "
                 "attention side must capture with is_graph_capturing first"
             )
+
+    def stats(self) -> dict[str, int]:
+        """What the FFN side did, to compare with the attention side's flags."""
+        return {
+            "graph_keys": len({k[0] for k in self._graphs}),
+            "graph_captures": self.captures,
+            "graph_replays": self.replays,
+            "graph_capture_steps": self.steps[CAPTURE],
+            "graph_replay_steps": self.steps[REPLAY],
+            "eager_steps": self.steps[EAGER],
+        }
 
     def run(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None = None

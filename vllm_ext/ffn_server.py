@@ -117,6 +117,7 @@ class FfnWorker:
             hidden_size=hf.hidden_size,
             max_tokens=afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens,
             timeout_s=afd.step_timeout_s,
+            warmup_timeout_s=afd.warmup_timeout_s,
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
             attention_tp_size=afd.attention_tp_size,
         )
@@ -291,6 +292,7 @@ class FfnWorker:
             "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
             "compute_ms_per_step": 1e3 * self.compute_s / n,
             "send_ms_per_step": 1e3 * self.send_s / n,
+            **self.graphs.stats(),
         }
         if self._recent:
             for i, name in enumerate(("recv_wait", "compute", "send")):
@@ -330,7 +332,12 @@ class FfnWorker:
         """All layers of one step: per layer and stage, the peers' rows in, their slices out."""
         assert self._exchange is not None
         stages = stage_counts(payload)
-        shape = StepShape(step_id=payload.step_id, stages=stages, epoch=payload.epoch)
+        shape = StepShape(
+            step_id=payload.step_id,
+            stages=stages,
+            epoch=payload.epoch,
+            warmup=payload.is_warmup or payload.is_profile or payload.is_graph_capturing,
+        )
         exchange = self._exchange
         exchange.begin_step(shape)
         self.graphs.begin_step(payload)
@@ -372,10 +379,11 @@ def expert_shard(ffn_rank: int, num_attention: int, num_ffn: int) -> tuple[int, 
 
 def serve_ffn(args: argparse.Namespace) -> None:
     """`vllm serve --afd-role ffn`: build the config the way `vllm serve` would, then run."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm_ext import compat
 
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    engine_args = AsyncEngineArgs.from_cli_args(args)
+    _, async_engine_args = compat.seams().engine_args_classes()
+    engine_args = async_engine_args.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
     afd = from_vllm_config(vllm_config)
     if afd is None or afd.role != "ffn":
@@ -391,15 +399,17 @@ def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     import vllm_ext
+    from vllm_ext import compat
 
     vllm_ext.register()
-    parser = FlexibleArgumentParser(description="AFD FFN worker (same flags as vllm serve)")
+    seams = compat.seams()
+    _, async_engine_args = seams.engine_args_classes()
+    parser = seams.flexible_argument_parser()(
+        description="AFD FFN worker (same flags as vllm serve)"
+    )
     parser.add_argument("model")
-    parser = AsyncEngineArgs.add_cli_args(parser)
+    parser = async_engine_args.add_cli_args(parser)
     args = parser.parse_args(argv)
     if args.afd_role is None:
         args.afd_role = "ffn"

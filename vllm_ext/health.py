@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 import time
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -82,9 +83,9 @@ class AfdSideMonitor:
 
 def not_serving_error(problem: str) -> Exception:
     """An exception vLLM's /health route turns into 503."""
-    from vllm.v1.engine.exceptions import EngineDeadError
+    from vllm_ext import compat
 
-    class AfdNotServing(EngineDeadError):
+    class AfdNotServing(compat.seams().engine_dead_error()):  # type: ignore[misc]
         def __str__(self) -> str:
             return f"AFD not serving: {problem}"
 
@@ -109,7 +110,7 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
     def wrapped(self: Any, finish_reason: str | None, request_id: str) -> None:
         if finish_reason != "error":
             return raise_if_error(self, finish_reason, request_id)
-        from vllm.exceptions import RetryableRequestError
+        from vllm_ext import compat
 
         # Only the cached answer: this runs on the API server's event loop (check_health and
         # its thread keep it fresh).
@@ -124,7 +125,7 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
                 "FFN side is back."
             )
         log.error("afd: request %s failed in the engine (%s)", request_id, problem or "SERVING")
-        raise RetryableRequestError(
+        raise compat.seams().request_failed_error(
             f"The request failed: the AFD FFN side could not run its step. {detail}"
         )
 
@@ -133,14 +134,12 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
 
 def wrap_streaming_error(convert: Any) -> Any:
     """GenerateBaseServing._convert_generation_error_to_streaming_response: vLLM types every
-    streamed GenerationError "InternalServerError"; a failed AFD step (RetryableRequestError)
-    gets the 503 "ServiceUnavailableError" of a plain reply there too, so that clients retry
-    a stream the same way."""
+    streamed GenerationError "InternalServerError"; a failed AFD step (a 503, see
+    wrap_raise_if_error) gets the "ServiceUnavailableError" of a plain 503 reply there too, so
+    that clients retry a stream the same way."""
 
     def wrapped(self: Any, e: Any) -> str:
-        from vllm.exceptions import RetryableRequestError
-
-        if not isinstance(e, RetryableRequestError):
+        if getattr(e, "status_code", None) != HTTPStatus.SERVICE_UNAVAILABLE:
             return convert(self, e)
         return self.create_streaming_error_response(
             str(e), err_type="ServiceUnavailableError", status_code=e.status_code

@@ -22,6 +22,7 @@ import logging
 import sys
 from typing import Any
 
+from vllm_ext import compat
 from vllm_ext.config import AfdConfig, afd_section
 
 log = logging.getLogger(__name__)
@@ -32,19 +33,34 @@ _MARK = "_afd_wrapped"
 
 
 def install() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    if getattr(EngineArgs.add_cli_args, _MARK, False):
-        return
-    _wrap_add_cli_args(EngineArgs)
-    _wrap_from_cli_args(EngineArgs)
-    _wrap_create_engine_config(EngineArgs)
-    serve = sys.modules.get("vllm.entrypoints.cli.serve")
+    """Idempotent, and called again each time vLLM loads plugins: a module first imported
+    after an earlier call (the engine core of an in-process LLM) is wrapped then."""
+    seams = compat.seams()
+    engine_args_cls, _ = seams.engine_args_classes()
+    if not getattr(engine_args_cls.add_cli_args, _MARK, False):
+        _wrap_add_cli_args(engine_args_cls)
+        _wrap_from_cli_args(engine_args_cls)
+        _wrap_create_engine_config(engine_args_cls)
+    serve = seams.loaded_serve_module()
     if serve is not None:  # only the `vllm` CLI process has it (imported before plugins load)
         _wrap_serve_cmd(serve.ServeSubcommand)
-    core = sys.modules.get("vllm.v1.engine.core")
+    core = seams.loaded_engine_core_module()
     if core is not None:  # engine-core processes load plugins from EngineCore.__init__
         _wrap_engine_core_shutdown(core)
+
+
+def refuse_afd_requests(message: str) -> None:
+    """On a vLLM this extension does not support nothing is patched; a command line or
+    environment that asks for AFD ends the process with `message` instead of running without
+    it (or failing on an unknown --afd-* flag)."""
+    import os
+
+    asked = [a for a in sys.argv[1:] if a.startswith("--afd-") or '"afd"' in a or ".afd." in a]
+    asked += [k for k in ("AFD_ROLE", "AFD_CONTROLLER") if os.environ.get(k)]
+    if asked:
+        log.error("%s (asked for by %s)", message, ", ".join(asked))
+        raise SystemExit(f"error: {message}")
+    log.debug("vllm_ext: %s", message)
 
 
 def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,11 +146,14 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
         afd = AfdConfig.resolve(afd_section(self.additional_config))
         if afd is None:
             return original(self, *args, **kwargs)
-        from vllm_ext import check_vllm_version
-
-        check_vllm_version()
+        compat.check_supported()
         if afd.role == "attention" and self.worker_cls == "auto":
             self.worker_cls = ATTENTION_WORKER_CLS
+        if afd.role == "attention":
+            pinned = compat.seams().pin_v1_model_runner()
+            if pinned:
+                log.info("afd attention: %s", pinned)
+            _piecewise_graphs_only(self)
         if afd.role == "attention" and not self.shutdown_timeout:
             # With vLLM's default (0: abort) the API server kills the engine core at once on
             # SIGTERM, before its workers can publish `stop`; a short drain lets them, so the
@@ -147,10 +166,70 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
         config = original(self, *args, **kwargs)
         validate(config, afd)
         if afd.role == "attention":
+            _exchange_between_graph_pieces(config)
             _wrap_api_server(afd)
         return config
 
     engine_args_cls.create_engine_config = create_engine_config
+
+
+# The attention model's AFD exchange op (vllm_ext.model_split): a host-driven NIXL transfer.
+EXCHANGE_OP = "afd::ffn_exchange"
+
+
+def _piecewise_graphs_only(engine_args: Any) -> None:
+    """The AFD exchange is driven from the host (NIXL's host API): inside a FULL CUDA graph it
+    would run once at capture and never again on replay, so the attention side must never
+    capture it. vLLM's default (FULL_AND_PIECEWISE) and explicit FULL / FULL_DECODE_ONLY
+    become PIECEWISE: graph pieces between the exchanges, the exchange itself eager."""
+    cuda_graph_mode, _ = compat.seams().compilation_enums()
+    compilation = engine_args.compilation_config
+    mode = compilation.cudagraph_mode
+    if isinstance(mode, str):
+        mode = cuda_graph_mode[mode.upper()]
+    if mode is None:
+        if not engine_args.enforce_eager:
+            log.info(
+                "afd attention: CUDA graphs PIECEWISE instead of vLLM's default "
+                "FULL_AND_PIECEWISE: the AFD exchange runs eagerly between graph pieces"
+            )
+        compilation.cudagraph_mode = cuda_graph_mode.PIECEWISE
+    elif mode.has_full_cudagraphs():
+        log.warning(
+            "afd attention: cudagraph_mode %s is not possible with AFD: a full CUDA graph would "
+            "capture the host-driven AFD exchange once and replay without sending anything; "
+            "running PIECEWISE instead (graph pieces between the exchanges, the exchange eager)",
+            mode.name,
+        )
+        compilation.cudagraph_mode = cuda_graph_mode.PIECEWISE
+
+
+def _exchange_between_graph_pieces(vllm_config: Any) -> None:
+    """Piecewise compilation splits the model at `splitting_ops` (vLLM fills its attention ops
+    there when the user gives none): the exchange joins them, so it runs eagerly between the
+    captured pieces, never inside one."""
+    cuda_graph_mode, compilation_mode = compat.seams().compilation_enums()
+    compilation = vllm_config.compilation_config
+    if compilation.mode != compilation_mode.VLLM_COMPILE:
+        return
+    if compilation.cudagraph_mode.has_full_cudagraphs():  # vLLM changed it after us
+        raise ValueError(
+            f"afd attention: vLLM chose cudagraph_mode {compilation.cudagraph_mode.name}, which "
+            "would capture the host-driven AFD exchange; pass "
+            '--compilation-config \'{"cudagraph_mode": "PIECEWISE"}\' or --enforce-eager'
+        )
+    if compilation.cudagraph_mode == cuda_graph_mode.NONE:
+        return  # nothing is captured: the compiled graph may hold the exchange
+    ops = compilation.splitting_ops
+    if not ops:
+        raise ValueError(
+            "afd attention: piecewise CUDA graphs need split points, and splitting_ops is "
+            "empty; leave --compilation-config splitting_ops unset (vLLM then splits at its "
+            f"attention ops and AFD adds {EXCHANGE_OP!r}) or pass --enforce-eager"
+        )
+    if EXCHANGE_OP not in ops:
+        ops.append(EXCHANGE_OP)
+    log.info("afd attention: %s splits the model's CUDA graph pieces", EXCHANGE_OP)
 
 
 def validate(vllm_config: Any, afd: AfdConfig) -> None:
@@ -203,6 +282,8 @@ def serve_cmd(args: argparse.Namespace) -> None:
 
 def _wrap_serve_cmd(serve_cls: type) -> None:
     global _original_serve_cmd
+    if serve_cls.cmd is serve_cmd:
+        return
     _original_serve_cmd = serve_cls.cmd
     serve_cls.cmd = staticmethod(serve_cmd)
 
@@ -210,10 +291,9 @@ def _wrap_serve_cmd(serve_cls: type) -> None:
 def _wrap_api_server(afd: AfdConfig) -> None:
     """Runs where the engine config is created: the API server process of `vllm serve` (and
     an offline LLM's process, where it is harmless)."""
-    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     from vllm_ext import health, metrics
+
+    AsyncLLM, GenerateBaseServing = compat.seams().api_server_classes()  # noqa: N806
 
     metrics.expose_worker_series()
     if getattr(AsyncLLM.check_health, _MARK, False):

@@ -4,7 +4,10 @@ Attention role: vLLM builds its own DeepseekV2ForCausalLM, but while each decode
 constructed the names `DeepseekV2MoE` and `DeepseekV2MLP` in vLLM's model module resolve to
 `AfdFfnProxy`, a parameter-free module that ships the post-attention-layernorm hidden states to
 the FFN side (through the `afd::ffn_exchange` custom op, opaque to torch.compile) and returns
-its output. The checkpoint's `.mlp.` tensors are skipped at load. Embeddings, MLA attention,
+its output. The op writes into an output tensor the proxy allocates, as vLLM's attention ops
+do: under piecewise CUDA graphs the op runs eagerly between two captured pieces, and the next
+piece reads its input from the address captured, which must be a tensor the previous piece
+allocated (from the graph's memory pool), not a fresh one. The checkpoint's `.mlp.` tensors are skipped at load. Embeddings, MLA attention,
 layernorms, the final norm and lm_head stay as vLLM built them.
 
 FFN role: `FfnStack` holds only `model.layers.{i}.mlp` for every layer, built with vLLM's own
@@ -23,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_ext import compat
+
 log = logging.getLogger(__name__)
 
 MLP_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
@@ -40,24 +45,30 @@ def set_exchange(fn: Exchange | None) -> None:
     _exchange = fn
 
 
-@torch.library.custom_op("afd::ffn_exchange", mutates_args=())
+@torch.library.custom_op("afd::ffn_exchange", mutates_args=("output",))
 def ffn_exchange(
-    hidden_states: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None
-) -> torch.Tensor:
+    hidden_states: torch.Tensor,
+    output: torch.Tensor,
+    layer_idx: int,
+    router_logits: torch.Tensor | None = None,
+) -> None:
     """Sends one layer's FFN input (and, with the gate on the attention side, its router
-    logits) to the FFN side and returns its output."""
+    logits) to the FFN side and writes its output into `output`."""
     if _exchange is None:
         raise RuntimeError(
             "afd: an AFD attention model ran without an attention session (vllm_ext bug)"
         )
-    return _exchange(layer_idx, hidden_states, router_logits)
+    output.copy_(_exchange(layer_idx, hidden_states, router_logits))
 
 
 @ffn_exchange.register_fake
 def _ffn_exchange_fake(
-    hidden_states: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None
-) -> torch.Tensor:
-    return torch.empty_like(hidden_states)
+    hidden_states: torch.Tensor,
+    output: torch.Tensor,
+    layer_idx: int,
+    router_logits: torch.Tensor | None = None,
+) -> None:
+    return None
 
 
 class AfdFfnProxy(nn.Module):
@@ -74,7 +85,9 @@ class AfdFfnProxy(nn.Module):
         self, hidden_states: torch.Tensor, already_sequence_parallel: bool = False
     ) -> torch.Tensor:
         logits = self.gate(hidden_states)[0] if self.gate is not None else None
-        return torch.ops.afd.ffn_exchange(hidden_states, self.layer_idx, logits)
+        output = torch.empty_like(hidden_states)
+        torch.ops.afd.ffn_exchange(hidden_states, output, self.layer_idx, logits)
+        return output
 
     def extra_repr(self) -> str:
         gate = ", gate here" if self.gate is not None else ""
@@ -87,7 +100,7 @@ def router_columns(hf_config: Any, model_dtype: torch.dtype, gate: str) -> tuple
     unless the config asks for float32 routing."""
     if gate != "attention":
         return 0, "float32"
-    from vllm.model_executor.models.deepseek_v2 import _get_moe_router_dtype
+    _get_moe_router_dtype = compat.seams().deepseek_v2_module()._get_moe_router_dtype
 
     if getattr(hf_config, "n_routed_experts", None) is None:
         raise ValueError("afd gate=attention needs a MoE model (n_routed_experts is not set)")
@@ -97,13 +110,11 @@ def router_columns(hf_config: Any, model_dtype: torch.dtype, gate: str) -> tuple
 
 def _attention_gate(config: Any, prefix: str) -> nn.Module:
     """The MoE layer's router gate, built as DeepseekV2MoE builds it."""
-    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-    from vllm.model_executor.models.deepseek_v2 import _get_moe_router_dtype
-
-    return GateLinear(
+    seams = compat.seams()
+    return seams.gate_linear_class()(
         config.hidden_size,
         config.n_routed_experts,
-        out_dtype=_get_moe_router_dtype(config),
+        out_dtype=seams.deepseek_v2_module()._get_moe_router_dtype(config),
         prefix=f"{prefix}.gate",
     )
 
@@ -119,8 +130,7 @@ def _layer_idx(prefix: str) -> int:
 def attention_split(gate_here: bool = False) -> Iterator[None]:
     """Construction and loading window for the attention role (restored in `finally`).
     `gate_here`: the MoE proxies hold the router gate and its weights are loaded."""
-    from vllm.model_executor.models import deepseek_v2 as dsv2
-
+    dsv2 = compat.seams().deepseek_v2_module()
     layer_cls = dsv2.DeepseekV2DecoderLayer
     original_init = layer_cls.__init__
     original_load = dsv2.DeepseekV2Model.load_weights
@@ -175,11 +185,8 @@ class FfnStack(nn.Module):
 
     def __init__(self, vllm_config: Any, prefix: str = "model") -> None:
         super().__init__()
-        from vllm.model_executor.layers.fused_moe.utils import (
-            is_model_fused_shared_expert_compatible,
-        )
-        from vllm.model_executor.models import deepseek_v2 as dsv2
-
+        seams = compat.seams()
+        dsv2 = seams.deepseek_v2_module()
         config = vllm_config.model_config.hf_config
         self.config = config
         self.dtype = vllm_config.model_config.dtype
@@ -218,14 +225,13 @@ class FfnStack(nn.Module):
         # What DeepseekV2Model.load_weights reads from `self`.
         self.use_mha = False
         self.num_redundant_experts = vllm_config.parallel_config.eplb_config.num_redundant_experts
-        self.is_fused_shared_expert_enabled = is_model_fused_shared_expert_compatible(
-            self.layers, dsv2.DeepseekV2MoE, "mlp"
+        self.is_fused_shared_expert_enabled = seams.fused_shared_expert_compatible(
+            self.layers, dsv2.DeepseekV2MoE
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads the `.mlp.` tensors of a checkpoint (names as in the HF checkpoint)."""
-        from vllm.model_executor.models import deepseek_v2 as dsv2
-
+        dsv2 = compat.seams().deepseek_v2_module()
         mine = ((name.removeprefix("model."), w) for name, w in weights if MLP_WEIGHT.search(name))
         return dsv2.DeepseekV2Model.load_weights(self, mine)  # type: ignore[arg-type]
 
@@ -273,15 +279,19 @@ class _GivenLogits:
 
 def load_ffn_stack(vllm_config: Any) -> FfnStack:
     """Builds the FFN half and loads its weights with vLLM's loader (not yet post-processed);
-    call under set_current_vllm_config, then `finalize_ffn_stack`."""
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.utils.torch_utils import set_default_torch_dtype
+    call under set_current_vllm_config, then `finalize_ffn_stack`.
 
+    `--load-format dummy`: vLLM's dummy loader fills the weights with random values, so the
+    FFN half need not match the attention half's (also random) weights: for benchmarks only."""
+    seams = compat.seams()
     model_config = vllm_config.model_config
-    loader = get_model_loader(vllm_config.load_config)
+    loader = seams.model_loader(vllm_config.load_config)
     device = torch.device(vllm_config.device_config.device)
-    with set_default_torch_dtype(model_config.dtype), device:
+    with seams.default_torch_dtype(model_config.dtype), device:
         stack = FfnStack(vllm_config)
+    if str(vllm_config.load_config.load_format) == "dummy":
+        loader.load_weights(stack, model_config)
+        return stack
     expected = {n for n, _ in stack.named_parameters()}
     loaded = stack.load_weights(loader.get_all_weights(model_config, stack))
     missing = expected - loaded
@@ -321,11 +331,9 @@ def mask_expert_shard(stack: FfnStack, shard: int, shards: int) -> None:
 
 
 def finalize_ffn_stack(stack: FfnStack, vllm_config: Any, shard: int = 0, shards: int = 1) -> None:
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
     mask_expert_shard(stack, shard, shards)
     device = torch.device(vllm_config.device_config.device)
-    process_weights_after_loading(stack, vllm_config.model_config, device)
+    compat.seams().process_weights_after_loading(stack, vllm_config.model_config, device)
     stack.eval()
     log.info(
         "afd ffn: %d FFN layers (%d MoE), %.1f M parameters, expert shard %d of %d",

@@ -55,12 +55,13 @@ def is_step_failure(exc: BaseException) -> bool:
 def fail_running_requests(engine_core: Any, exc: BaseException) -> dict[int, Any]:
     """Finishes every running request with an error; returns the engine core outputs that
     tell the API server so (one EngineCoreOutputs per client)."""
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-    from vllm.v1.request import RequestStatus
+    from vllm_ext import compat
 
+    seams = compat.seams()
+    EngineCoreOutput, EngineCoreOutputs = seams.engine_core_outputs_classes()  # noqa: N806
     scheduler = engine_core.scheduler
     running = [r.request_id for r in scheduler.running]
-    failed = scheduler.finish_requests(running, RequestStatus.FINISHED_ERROR)
+    failed = seams.finish_requests_with_error(scheduler, running)
     per_client: dict[int, list[Any]] = defaultdict(list)
     for request in failed:
         per_client[request.client_index].append(

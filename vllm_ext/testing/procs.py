@@ -22,7 +22,7 @@ def bin_path(name: str) -> str:
 
 
 def vllm_env(extra: dict[str, str] | None = None, *, in_process: bool = False) -> dict[str, str]:
-    """CPU settings for reproducible greedy outputs (shared/notes/vllm-on-cpu.md)."""
+    """CPU settings for reproducible greedy outputs (offline.CPU_ENV says why each)."""
     env = {k: v for k, v in CPU_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -31,17 +31,22 @@ def vllm_env(extra: dict[str, str] | None = None, *, in_process: bool = False) -
     return env
 
 
-def ffn_argv(model: str | Path, controller: str, *extra: str) -> list[str]:
+def engine_flags(eager: bool = True) -> list[str]:
+    """ENGINE_FLAGS, or without --enforce-eager: vLLM's default path (torch.compile)."""
+    return ENGINE_FLAGS if eager else [f for f in ENGINE_FLAGS if f != "--enforce-eager"]
+
+
+def ffn_argv(model: str | Path, controller: str, *extra: str, eager: bool = True) -> list[str]:
     return [
         bin_path("vllm"), "serve", str(model), "--afd-role", "ffn",
-        "--afd-controller", controller, *ENGINE_FLAGS, *extra,
+        "--afd-controller", controller, *engine_flags(eager), *extra,
     ]  # fmt: skip
 
 
-def serve_argv(model: str | Path, port: int, *extra: str) -> list[str]:
+def serve_argv(model: str | Path, port: int, *extra: str, eager: bool = True) -> list[str]:
     return [
         bin_path("vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-        *ENGINE_FLAGS, "--max-num-seqs", "8", *extra,
+        *engine_flags(eager), "--max-num-seqs", "8", *extra,
     ]  # fmt: skip
 
 

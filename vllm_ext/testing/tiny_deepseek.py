@@ -30,7 +30,8 @@ TOP_K = 2
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 QK_NOPE_HEAD_DIM = 64
-V_HEAD_DIM = 64
+# On GPU vLLM's MLA prefill (FlashAttention) takes DeepSeek's own head sizes only: nope and v 128.
+GPU_HEAD_DIM = 128
 DENSE_INTERMEDIATE = 512
 MOE_INTERMEDIATE = 128
 Q_LORA_RANK_V3 = 128
@@ -52,7 +53,7 @@ every step, and the tokens that come out must be the same as before.
 """
 
 
-def config_for(version: int) -> dict[str, Any]:
+def config_for(version: int, head_dim: int = QK_NOPE_HEAD_DIM) -> dict[str, Any]:
     """The config.json of the tiny model (DeepSeek-V2-Lite style for 2, V3 style for 3)."""
     if version not in (2, 3):
         raise ValueError(f"version must be 2 or 3, got {version}")
@@ -74,8 +75,8 @@ def config_for(version: int) -> dict[str, Any]:
         "kv_lora_rank": KV_LORA_RANK,
         "q_lora_rank": None,
         "qk_rope_head_dim": QK_ROPE_HEAD_DIM,
-        "qk_nope_head_dim": QK_NOPE_HEAD_DIM,
-        "v_head_dim": V_HEAD_DIM,
+        "qk_nope_head_dim": head_dim,
+        "v_head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": 2048,
         "initializer_range": INIT_STD,
@@ -223,14 +224,17 @@ def build_tokenizer(out_dir: Path) -> None:
     )
 
 
-def build_tiny_deepseek(out_dir: str | Path, version: int = 2, seed: int = 0) -> Path:
+def build_tiny_deepseek(
+    out_dir: str | Path, version: int = 2, seed: int = 0, head_dim: int = QK_NOPE_HEAD_DIM
+) -> Path:
     """Writes config.json, model.safetensors and a tokenizer into out_dir; returns out_dir.
+    `head_dim`: qk_nope_head_dim and v_head_dim (GPU_HEAD_DIM for vLLM on GPU).
 
     Idempotent: a directory that already holds the same config and seed is left alone."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    config = config_for(version)
+    config = config_for(version, head_dim)
     stamp = json.dumps({"config": config, "seed": seed}, sort_keys=True)
     if (out / ".tiny-deepseek-stamp").is_file() and (
         out / ".tiny-deepseek-stamp"
@@ -255,8 +259,9 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--version", type=int, default=2, choices=(2, 3))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head-dim", type=int, default=QK_NOPE_HEAD_DIM)
     args = parser.parse_args()
-    print(build_tiny_deepseek(args.out_dir, args.version, args.seed))
+    print(build_tiny_deepseek(args.out_dir, args.version, args.seed, args.head_dim))
 
 
 if __name__ == "__main__":

