@@ -101,6 +101,7 @@ class ControllerClient:
             queue.SimpleQueue()
         )
         self._listeners: list[EventListener] = []
+        self._unreachable_listeners: list[Callable[[AfdControllerUnreachable], None]] = []
         # Guarded by _cond:
         self._registered: afd_pb2.Registered | None = None
         self._view: afd_pb2.View | None = None
@@ -234,6 +235,14 @@ class ControllerClient:
         """`listener(event)` runs on the session thread for every membership event."""
         self._listeners.append(listener)
 
+    def add_unreachable_listener(
+        self, listener: Callable[[AfdControllerUnreachable], None]
+    ) -> None:
+        """`listener(error)` runs on the session thread each time the registered session
+        breaks (the daemon died or restarted, the network dropped). Whatever afd-ctl comes
+        back with is a new epoch, so a data plane can give up the current one at once."""
+        self._unreachable_listeners.append(listener)
+
     # -- the session thread --------------------------------------------------------------
     def _session_loop(self) -> None:
         spec = self.spec
@@ -299,9 +308,16 @@ class ControllerClient:
                 if registered_here:
                     log.warning("%s", self._unreachable)
                     self._payloads.put(self._unreachable)
+                    for listener in self._unreachable_listeners:
+                        try:
+                            listener(self._unreachable)
+                        except Exception:  # a listener's bug must not kill the session thread
+                            log.exception("unreachable listener failed")
                 self._cond.notify_all()
                 delay = backoff * (1 + random.random() / 2)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                # At most a quarter of the liveness bound apart: a restarted daemon sees its
+                # workers again well within the bound it declares them lost in.
+                backoff = min(backoff * 2, BACKOFF_MAX_S, self.liveness_timeout_s / 4)
                 self._cond.wait(delay)
 
     def _handle(self, message: afd_pb2.SessionMessage) -> None:

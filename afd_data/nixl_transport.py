@@ -69,7 +69,13 @@ import numpy as np
 from afd_data import notify
 from afd_data.blob import PeerBlob, decode_blob, encode_blob, shape_mismatches
 from afd_data.config import TransportConfig
-from afd_data.errors import AfdBadInput, AfdPeerLost, AfdProtocolError, AfdStaleEpoch
+from afd_data.errors import (
+    AfdBadInput,
+    AfdDataError,
+    AfdPeerLost,
+    AfdProtocolError,
+    AfdStaleEpoch,
+)
 from afd_data.layout import BufferLayout, RowTable
 from afd_data.memory import Array, make_memory
 from afd_data.nixl_loader import import_nixl
@@ -424,6 +430,20 @@ class NixlTransport:
             lambda: self._inflight_timeout("flush"),
             lambda: [x[1] for x in self._inflight],
         )
+
+    def poll_idle(self) -> None:
+        """One poll between steps, for a worker that waits on something else (its control
+        plane): a WRITE a peer posted to this side may complete only while this side polls
+        too (UCX over TCP), so a peer settling its transfers at reconnect would otherwise
+        wait its whole bound for a worker that does nothing. Takes early notifications and
+        reaps this side's WRITEs; raises nothing (a loss or a bad message surfaces in the next
+        step)."""
+        if self._closed or self._epoch is None:
+            return
+        try:
+            self._progress(raise_lost=False)
+        except (AfdDataError, *_NIXL_ERRORS) as e:
+            logger.debug("data plane %s: while idle: %s", self.name, e)
 
     # ------------------------------------------------------------------ attention side
 

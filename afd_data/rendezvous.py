@@ -60,13 +60,21 @@ def rejoin(client: ControllerClient, transport: NixlTransport, timeout_s: float)
 
 
 def follow_losses(client: ControllerClient, transport: NixlTransport) -> None:
-    """Every PEER_LOST from the daemon interrupts the transport's waits on that peer."""
+    """Every PEER_LOST from the daemon interrupts the transport's waits on that peer, and so
+    does losing the daemon itself: a payload published meanwhile is never relayed (the step
+    would wait its whole bound for outputs that never come), and whatever afd-ctl comes back
+    with is a new epoch, so nothing more can happen in this one."""
 
     def on_event(event: afd_pb2.MembershipEvent) -> None:
         if event.kind == afd_pb2.MembershipEvent.PEER_LOST:
             transport.mark_peer_lost(event.worker.role, event.worker.role_rank, event.reason)
 
+    def on_unreachable(error: Exception) -> None:
+        for rank in transport.peer_ranks:
+            transport.mark_peer_lost(transport.role.other, rank, f"{error}")
+
     client.add_listener(on_event)
+    client.add_unreachable_listener(on_unreachable)
 
 
 class StuckLossWatch:
@@ -80,16 +88,33 @@ class StuckLossWatch:
         self._transport = transport
         self._who = who
         self._since: float | None = None
+        self._controller_lost = False
+        client.add_unreachable_listener(self._on_unreachable)
+
+    def _on_unreachable(self, error: Exception) -> None:
+        self._controller_lost = True
+
+    @property
+    def controller_lost(self) -> bool:
+        """The session to afd-ctl broke since the transport last connected: the loss is the
+        daemon's, not a peer's (its last view only looks complete)."""
+        return self._controller_lost
 
     def reset(self) -> None:
         """The transport is connected again: a later loss starts its own clock."""
         self._since = None
+        self._controller_lost = False
 
     def check(self) -> bool:
         """True while the loss is only this data plane's (rejoining once it lasted long
         enough); False, and the clock reset, otherwise."""
         transport, view = self._transport, self._client.view
-        if transport.lost is None or not view.complete or view.epoch != transport.epoch:
+        if (
+            transport.lost is None
+            or self._controller_lost
+            or not view.complete
+            or view.epoch != transport.epoch
+        ):
             self._since = None
             return False
         now = time.monotonic()

@@ -147,6 +147,7 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     errors = [e["error"] for e in events if "error" in e]
     assert errors, f"the stream ended without an error: {events[-3:]}"
     assert "AFD FFN side" in errors[-1]["message"], errors[-1]
+    assert errors[-1]["type"] == "ServiceUnavailableError", errors[-1]  # as a plain 503
     tokens = sum(len(e["choices"][0]["text"]) > 0 for e in events if "choices" in e)
     assert tokens < 230, "the request finished although its FFN server was killed"
 

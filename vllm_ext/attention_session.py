@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,9 @@ from afd_ctl.payloads import make_payload
 from afd_data.errors import AfdBadInput, AfdDataError
 from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
+from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import AttentionExchange, StepShape, expected_counts
+from vllm_ext.metrics import AttentionMetrics, worker_files
 from vllm_ext.step_failures import AfdStepFailed
 
 log = logging.getLogger(__name__)
@@ -86,10 +88,11 @@ class AttentionSession:
         self._is_sender = False
         self._lock = threading.Lock()
         self._profiler: Any = None
+        self._metrics = AttentionMetrics(None)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        from afd_ctl.client import ControllerClient, WorkerSpec
+        from afd_ctl.client import WorkerSpec
         from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
@@ -98,7 +101,8 @@ class AttentionSession:
         atexit.register(self.close)
         model_config = self.vllm_config.model_config
         max_tokens = afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens
-        num_attention, num_ffn = expected_counts(afd.controller, afd.connect_timeout_s)
+        access = ControlAccess.of(afd)
+        num_attention, num_ffn = expected_counts(access, afd.connect_timeout_s)
         if num_attention != self.dp_size * self.tp_size:
             raise ValueError(
                 f"afd-ctl expects {num_attention} attention ranks but this server has "
@@ -126,7 +130,7 @@ class AttentionSession:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
         )
-        self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
+        self._client = access.client(spec, self._exchange.blob())
         follow_losses(self._client, self._exchange.transport)
         self._loss_watch = StuckLossWatch(
             self._client, self._exchange.transport, f"attention rank {self.role_rank}"
@@ -140,6 +144,9 @@ class AttentionSession:
                 f"was built for rank {self.role_rank}"
             )
         self._exchange.connect(view)
+        self._metrics = AttentionMetrics(worker_files())
+        self._exchange.metrics = self._metrics
+        self._metrics.connected(view.epoch, reconnect=False)
         model_split.set_exchange(self.exchange)
         log.info(
             "afd attention %s: rank %d of %d, epoch %d, %d ffn peer(s), sender=%s, %s",
@@ -202,7 +209,7 @@ class AttentionSession:
         counts = self._counts(num_tokens, across_dp)
         self.step_id += 1
         shape = StepShape(step_id=self.step_id, stages={0: counts}, warmup=flags.warmup)
-        with _step_failures(self.step_id, recoverable=self.tp_size == 1):
+        with _step_failures(self.step_id, recoverable=self.tp_size == 1, on_failure=self._failed):
             self._ensure_connected()
             # Data-plane state first (buffers for this step), then the control message; the
             # step counts as open (see _finish_abandoned_step) only once it is published.
@@ -290,6 +297,12 @@ class AttentionSession:
                 after_epoch=transport.epoch or 0,
             )
         except AfdTimeout:
+            if self._loss_watch.controller_lost:
+                raise AfdNotReady(
+                    f"afd-ctl at {self.afd.controller} is unreachable; the workers register "
+                    "again by themselves once it is back (restart it if it died); /health is "
+                    "503 until then"
+                ) from None
             if only_here:
                 raise AfdNotReady(
                     f"the data plane lost its FFN peer ({transport.lost}) while afd-ctl at "
@@ -305,6 +318,7 @@ class AttentionSession:
         self._loss_watch.reset()
         self._client.discard_rejections()  # refusals of payloads from before the reconnect
         self._exchange.connect(view)
+        self._metrics.connected(view.epoch, reconnect=True)
         log.warning(
             "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",
             self.worker_id,
@@ -336,16 +350,41 @@ class AttentionSession:
         if self._capturing:
             hidden_states = torch.zeros_like(hidden_states)
             router_logits = None if router_logits is None else torch.zeros_like(router_logits)
-        with _step_failures(shape.step_id, layer_idx, recoverable=self.tp_size == 1):
+        with _step_failures(
+            shape.step_id, layer_idx, recoverable=self.tp_size == 1, on_failure=self._failed
+        ):
             out = exchange.exchange(layer_idx, 0, hidden_states, router_logits)
         self._layers_done = layer_idx + 1
         return out
 
     def end_step(self) -> None:
         if self._exchange is not None and self._shape is not None:
-            with _step_failures(self._shape.step_id, recoverable=self.tp_size == 1):
+            with _step_failures(
+                self._shape.step_id, recoverable=self.tp_size == 1, on_failure=self._failed
+            ):
                 self._exchange.end_step()
+            self._metrics.flush()
         self._shape = None
+
+    def _failed(self, exc: BaseException) -> None:
+        """Counts a failed step by reason (afd_failed_steps_total)."""
+        from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdRejected
+
+        if isinstance(exc, AfdControllerUnreachable) or (
+            self._loss_watch is not None and self._loss_watch.controller_lost
+        ):
+            reason = "controller_unreachable"
+        elif isinstance(exc, AfdPeerLost):
+            reason = "peer_lost"
+        elif isinstance(exc, AfdNotReady):
+            reason = "not_ready"
+        elif isinstance(exc, AfdTimeout):
+            reason = "timeout"
+        elif isinstance(exc, AfdRejected):
+            reason = "rejected"
+        else:
+            reason = "other"
+        self._metrics.failed_step(reason)
 
 
 def _tp_rank() -> int:
@@ -366,7 +405,11 @@ def _worker_id(base: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int
 
 @contextlib.contextmanager
 def _step_failures(
-    step_id: int, layer: int | None = None, *, recoverable: bool = True
+    step_id: int,
+    layer: int | None = None,
+    *,
+    recoverable: bool = True,
+    on_failure: Callable[[BaseException], None] | None = None,
 ) -> Iterator[None]:
     """AFD errors of a step become AfdStepFailed, which fails the step's requests only.
 
@@ -377,6 +420,8 @@ def _step_failures(
     except AfdBadInput as exc:  # a setting or an extension bug: every step would fail alike
         raise RuntimeError(f"afd: step {step_id}: {exc}") from exc
     except (AfdError, AfdDataError) as exc:
+        if on_failure is not None:
+            on_failure(exc)
         where = f"step {step_id}" + (f", layer {layer}" if layer is not None else "")
         if not recoverable:
             raise RuntimeError(

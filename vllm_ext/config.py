@@ -51,6 +51,21 @@ class AfdConfig:
     # FFN role: the attention servers' --tensor-parallel-size (each attention TP rank is its
     # own peer). The attention role takes it from vLLM.
     attention_tp_size: int = 1
+    # TLS towards afd-ctl (PEM paths): the CA that signed the daemon's certificate and, for
+    # mTLS, this worker's certificate and key. Empty tls_ca: AFD_CTL_TLS_* as `afd-ctl`'s own
+    # commands read them, else plaintext.
+    tls_ca: str = ""
+    tls_client_cert: str = ""
+    tls_client_key: str = ""
+    tls_server_name: str = ""
+    # A file holding the bearer token of `afd-ctl serve --auth-token`; empty: the
+    # AFD_CTL_AUTH_TOKEN environment variable. The token itself is never a setting, so it
+    # stays out of `ps`, the logs and vLLM's config hash (vllm_ext.control reads it).
+    auth_token_file: str = ""
+    # Prometheus /metrics of this worker's AFD series on this port (FFN role; 0: off). The
+    # attention role's series are on the API server's own /metrics.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -73,6 +88,12 @@ class AfdConfig:
             raise ValueError(f"afd ffn_rank must be >= 0, got {self.ffn_rank}")
         if self.profile_steps < 1 or self.profile_start_step < 0:
             raise ValueError("afd profile_steps must be >= 1 and profile_start_step >= 0")
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ValueError("afd tls_client_cert and tls_client_key go together (mTLS)")
+        if self.tls_client_cert and not self.tls_ca:
+            raise ValueError("afd tls_client_cert needs tls_ca (the CA of afd-ctl's certificate)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"afd metrics_port must be in 0..65535, got {self.metrics_port}")
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())

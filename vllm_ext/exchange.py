@@ -16,9 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm_ext.control import ControlAccess
+    from vllm_ext.metrics import AttentionMetrics
 
 log = logging.getLogger(__name__)
 
@@ -41,29 +45,31 @@ class StepShape:
         return [self.stages[s] for s in sorted(self.stages)]
 
 
-def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
-    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer."""
+def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
+    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer; wrong
+    credentials fail at once (AfdCredentialsRefused), saying so."""
     import grpc
 
-    from afd_ctl.channel import open_channel
-    from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+    from afd_ctl.v1 import afd_pb2
+    from vllm_ext.control import StatusQuery
 
     started = time.monotonic()
     deadline = started + timeout_s
     next_log = started  # the first failure is said at once, then every UNANSWERED_LOG_S
-    channel = open_channel(controller)
+    query = StatusQuery(access)
+    controller = access.describe()
     try:
-        stub = afd_pb2_grpc.AFDInspectStub(channel)
         while True:
             try:
-                status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=5)
+                status = query.get(timeout_s=5)
                 break
             except grpc.RpcError as exc:
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(
                         f"afd-ctl at {controller} did not answer within {timeout_s:.0f} s "
-                        f"({exc.code().name}); is `afd-ctl serve` running there?"
+                        f"({exc.code().name}: {exc.details()}); is `afd-ctl serve` running "
+                        "there, with the TLS settings this worker has?"
                     ) from None
                 if now >= next_log:
                     if next_log == started:
@@ -86,7 +92,7 @@ def expected_counts(controller: str, timeout_s: float) -> tuple[int, int]:
                     next_log = now + UNANSWERED_LOG_S
                 time.sleep(0.5)
     finally:
-        channel.close()
+        query.close()
     counts = {r.role: r.expected for r in status.roles}
     return counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
 
@@ -197,6 +203,7 @@ class AttentionExchange(_Exchange):
         # `exchanges` layer exchanges (where a step's AFD time goes; see stats()).
         self.post_s = self.wait_s = 0.0
         self.exchanges = 0
+        self.metrics: AttentionMetrics | None = None  # afd_hop_seconds and the byte counts
 
     def stats(self) -> dict[str, float]:
         n = max(1, self.exchanges)
@@ -230,12 +237,17 @@ class AttentionExchange(_Exchange):
         self.transport.send_hidden(layer, stage, staged, staged_router)
         t1 = time.perf_counter()
         outputs = self.transport.recv_outputs(layer, stage, timeout_s=self.wait_bound_s)
+        t2 = time.perf_counter()
         self.post_s += t1 - t0
-        self.wait_s += time.perf_counter() - t1
+        self.wait_s += t2 - t1
         self.exchanges += 1
         out = _tensor(outputs[0], self.dtype)[:n].clone()
         for extra in outputs[1:]:  # expert-parallel FFN ranks: partial sums
             out.add_(_tensor(extra, self.dtype)[:n])
+        if self.metrics is not None:
+            row = hidden_states.element_size() * (hidden_states.numel() // max(1, n))
+            sent = row + (0 if router_logits is None else router_logits[:1].nbytes)
+            self.metrics.hop(t2 - t0, n * sent * len(outputs), n * row * len(outputs))
         return out.view_as(hidden_states)
 
 

@@ -34,13 +34,18 @@ from afd_ctl.errors import (
 )
 from afd_ctl.payloads import stage_counts
 from vllm_ext.config import AfdConfig, from_vllm_config
+from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
 from vllm_ext.ffn_graphs import FfnGraphRunner
+from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
 
 log = logging.getLogger("vllm_ext.ffn_server")
 
 POLL_S = 0.5
+# While no payload comes: the data plane is polled this often (a peer settling its transfers
+# at reconnect needs this side to poll too; see NixlTransport.poll_idle).
+IDLE_POLL_S = 0.05
 # Waiting for peers: log this often.
 WAIT_LOG_S = 30.0
 STAT_WINDOW = 1000
@@ -77,6 +82,9 @@ class FfnWorker:
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
         self._profiler: Any = None
+        self._said_unreachable = False
+        self._metrics = FfnMetrics(None)
+        self._connects = 0
 
     def request_stop(self, reason: str) -> None:
         log.info("afd ffn %s: stop requested (%s)", self.worker_id, reason)
@@ -84,17 +92,20 @@ class FfnWorker:
         self._stop.set()
 
     def run(self) -> int:
-        from afd_ctl.client import ControllerClient, WorkerSpec
+        from afd_ctl.client import WorkerSpec
         from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
         hf = self.vllm_config.model_config.hf_config
-        num_attention, num_ffn = expected_counts(afd.controller, afd.connect_timeout_s)
+        access = ControlAccess.of(afd)
+        num_attention, num_ffn = expected_counts(access, afd.connect_timeout_s)
         if afd.ffn_rank >= num_ffn:
             raise ValueError(
                 f"afd ffn_rank {afd.ffn_rank} but afd-ctl expects {num_ffn} FFN ranks "
                 "(--expect-ffn); give each FFN server a distinct ffn_rank below that"
             )
+        if afd.metrics_port:
+            self._metrics = serve_ffn_metrics(afd.metrics_host, afd.metrics_port)
         shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn)
         self.engine.finalize(shard, shards)
         self._exchange = FfnExchange(
@@ -111,7 +122,7 @@ class FfnWorker:
             attention_tp_size=afd.attention_tp_size,
         )
         spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
-        self._client = ControllerClient(afd.controller, spec, data_plane_blob=self._exchange.blob())
+        self._client = access.client(spec, self._exchange.blob())
         follow_losses(self._client, self._exchange.transport)
         self._loss_watch = StuckLossWatch(
             self._client, self._exchange.transport, f"ffn rank {afd.ffn_rank}"
@@ -136,8 +147,12 @@ class FfnWorker:
             self._connect(view)
             while not self._stop.is_set():
                 try:
-                    self.run_step(self._client.next_payload(timeout_s=POLL_S))
+                    payload = self._client.next_payload(timeout_s=IDLE_POLL_S)
+                    if self._follow_epoch(payload):
+                        self.run_step(payload)
+                    self._said_unreachable = False
                 except AfdTimeout:
+                    self._poll_idle()
                     continue
                 except AfdStopped as exc:
                     log.info(
@@ -160,8 +175,12 @@ class FfnWorker:
                     self._connect(view)
                     continue
                 except AfdControllerUnreachable as exc:
-                    log.warning("afd ffn %s: %s", self.worker_id, exc)
-                    time.sleep(POLL_S)
+                    # The client re-registers by itself; say so once, not at every poll.
+                    if not self._said_unreachable:
+                        log.warning("afd ffn %s: %s", self.worker_id, exc)
+                        self._said_unreachable = True
+                    self._poll_idle()
+                    time.sleep(IDLE_POLL_S)
                     continue
             return 0
         except Exception as exc:
@@ -174,6 +193,66 @@ class FfnWorker:
             return 1
         finally:
             self.close()
+
+    def _poll_idle(self) -> None:
+        if self._exchange is not None:
+            self._exchange.transport.poll_idle()
+
+    def _follow_epoch(self, payload: Any) -> bool:
+        """True when the data plane is in the payload's epoch, reconnecting it first when the
+        payload is of a newer one; False for a payload to drop.
+
+        afd-ctl may move to a new epoch without a PEER_LOST reaching this loop: after a
+        restart of the daemon both workers register anew, and if this one completes the set
+        its registration already brings the complete view of the new epoch. The attention
+        side then publishes in that epoch, so its first payload is how the loop learns."""
+        assert self._exchange is not None and self._client is not None
+        current = self._exchange.transport.epoch or 0
+        if payload.epoch == current:
+            return True
+        if payload.epoch < current:
+            log.info(
+                "afd ffn %s: dropped step %d of epoch %d (now at epoch %d)",
+                self.worker_id,
+                payload.step_id,
+                payload.epoch,
+                current,
+            )
+            return False
+        # The view that made the attention side publish in this epoch came before its payload
+        # on the same session stream, so it is already here.
+        try:
+            view = self._client.wait_complete(
+                timeout_s=self.afd.step_timeout_s, after_epoch=current
+            )
+        except AfdTimeout as exc:
+            log.warning(
+                "afd ffn %s: dropped step %d of epoch %d: %s",
+                self.worker_id,
+                payload.step_id,
+                payload.epoch,
+                exc,
+            )
+            return False
+        if view.epoch != payload.epoch:
+            log.info(
+                "afd ffn %s: dropped step %d of epoch %d (afd-ctl is at epoch %d)",
+                self.worker_id,
+                payload.step_id,
+                payload.epoch,
+                view.epoch,
+            )
+            self._connect(view)
+            return False
+        log.warning(
+            "afd ffn %s: step %d is of epoch %d, the data plane of epoch %d: reconnecting first",
+            self.worker_id,
+            payload.step_id,
+            payload.epoch,
+            current,
+        )
+        self._connect(view)
+        return True
 
     def _wait_for_peers(self, after_epoch: int) -> Any:
         """The next complete view newer than `after_epoch`, or None once a stop is requested.
@@ -189,10 +268,11 @@ class FfnWorker:
         next_log = started + WAIT_LOG_S
         while not self._stop.is_set():
             try:
-                view = self._client.wait_complete(timeout_s=POLL_S, after_epoch=after_epoch)
+                view = self._client.wait_complete(timeout_s=IDLE_POLL_S, after_epoch=after_epoch)
                 self._loss_watch.reset()
                 return view
             except AfdTimeout as exc:
+                self._poll_idle()
                 self._loss_watch.check()
                 now = time.monotonic()
                 if now >= next_log:
@@ -234,8 +314,12 @@ class FfnWorker:
     def _connect(self, view: Any) -> None:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
-        assert self._exchange is not None
+        assert self._exchange is not None and self._loss_watch is not None
         self._exchange.connect(view)
+        self._loss_watch.reset()
+        self._metrics.connected(view.epoch, reconnect=self._connects > 0)
+        self._connects += 1
+        self._said_unreachable = False
         log.info(
             "afd ffn %s: serving attention ranks %s at epoch %d",
             self.worker_id,
@@ -275,6 +359,7 @@ class FfnWorker:
         self.compute_s += compute_s
         self.send_s += send_s
         self._recent.append((recv_s, compute_s, send_s))
+        self._metrics.step(compute_s, recv_s, self.graphs.mode)
         self.steps += 1
         if self._profiler is not None:
             self._profiler.step(payload.step_id)

@@ -14,7 +14,11 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_ext.config import AfdConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +30,13 @@ ASK_TIMEOUT_S = 0.5
 class AfdSideMonitor:
     """What afd-ctl says about the expected set, asked at most every CACHE_S."""
 
-    def __init__(self, controller: str) -> None:
-        self.controller = controller
+    def __init__(self, afd: AfdConfig) -> None:
+        from vllm_ext.control import ControlAccess, StatusQuery
+
+        access = ControlAccess.of(afd)
+        self.controller = afd.controller
+        self._query = StatusQuery(access)
         self._lock = threading.Lock()
-        self._stub: Any = None
         self._asked_at = float("-inf")
         self._problem: str | None = None
         self._reported: str | None = None
@@ -58,9 +65,12 @@ class AfdSideMonitor:
         import grpc
 
         from afd_ctl.v1 import afd_pb2
+        from vllm_ext.control import AfdCredentialsRefused
 
         try:
-            status = self._inspect().GetStatus(afd_pb2.GetStatusRequest(), timeout=ASK_TIMEOUT_S)
+            status = self._query.get(timeout_s=ASK_TIMEOUT_S)
+        except AfdCredentialsRefused as exc:
+            return str(exc)
         except grpc.RpcError as exc:
             return f"afd-ctl at {self.controller} is unreachable ({exc.code().name})"
         if status.health == "SERVING":
@@ -69,14 +79,6 @@ class AfdSideMonitor:
             f"{afd_pb2.Role.Name(r.role).lower()} {r.registered}/{r.expected}" for r in status.roles
         )
         return f"afd-ctl at {self.controller} reports {status.health} ({roles} registered)"
-
-    def _inspect(self) -> Any:
-        if self._stub is None:
-            from afd_ctl.channel import open_channel
-            from afd_ctl.v1 import afd_pb2_grpc
-
-            self._stub = afd_pb2_grpc.AFDInspectStub(open_channel(self.controller))
-        return self._stub
 
 
 def not_serving_error(problem: str) -> Exception:
@@ -125,6 +127,22 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
         log.error("afd: request %s failed in the engine (%s)", request_id, problem or "SERVING")
         raise compat.seams().request_failed_error(
             f"The request failed: the AFD FFN side could not run its step. {detail}"
+        )
+
+    return wrapped
+
+
+def wrap_streaming_error(convert: Any) -> Any:
+    """GenerateBaseServing._convert_generation_error_to_streaming_response: vLLM types every
+    streamed GenerationError "InternalServerError"; a failed AFD step (a 503, see
+    wrap_raise_if_error) gets the "ServiceUnavailableError" of a plain 503 reply there too, so
+    that clients retry a stream the same way."""
+
+    def wrapped(self: Any, e: Any) -> str:
+        if getattr(e, "status_code", None) != HTTPStatus.SERVICE_UNAVAILABLE:
+            return convert(self, e)
+        return self.create_streaming_error_response(
+            str(e), err_type="ServiceUnavailableError", status_code=e.status_code
         )
 
     return wrapped

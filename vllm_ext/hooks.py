@@ -291,18 +291,24 @@ def _wrap_serve_cmd(serve_cls: type) -> None:
 def _wrap_api_server(afd: AfdConfig) -> None:
     """Runs where the engine config is created: the API server process of `vllm serve` (and
     an offline LLM's process, where it is harmless)."""
-    from vllm_ext import health
+    from vllm_ext import health, metrics
 
     AsyncLLM, GenerateBaseServing = compat.seams().api_server_classes()  # noqa: N806
 
+    metrics.expose_worker_series()
     if getattr(AsyncLLM.check_health, _MARK, False):
         return
-    monitor = health.AfdSideMonitor(afd.controller)
+    monitor = health.AfdSideMonitor(afd)
     check_health = health.wrap_check_health(AsyncLLM.check_health, monitor)
     setattr(check_health, _MARK, True)
     AsyncLLM.check_health = check_health
     GenerateBaseServing._raise_if_error = health.wrap_raise_if_error(
         GenerateBaseServing._raise_if_error, monitor
+    )
+    GenerateBaseServing._convert_generation_error_to_streaming_response = (
+        health.wrap_streaming_error(
+            GenerateBaseServing._convert_generation_error_to_streaming_response
+        )
     )
 
 

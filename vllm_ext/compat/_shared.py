@@ -35,6 +35,16 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         "GenerateBaseServing._raise_if_error",
         ("self", "finish_reason", "request_id"),
     ),
+    (
+        "vllm.entrypoints.generate.base.serving",
+        "GenerateBaseServing._convert_generation_error_to_streaming_response",
+        ("self", "e"),
+    ),
+    (
+        "vllm.entrypoints.generate.base.serving",
+        "GenerateBaseServing.create_streaming_error_response",
+        ("self", "message", "err_type", "status_code"),
+    ),
     ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device", ("self",)),
     ("vllm.v1.worker.gpu_worker", "Worker.init_device", ("self",)),
     (
@@ -137,7 +147,8 @@ def loaded_engine_core_module() -> ModuleType | None:
 
 def api_server_classes() -> tuple[type, type]:
     """(AsyncLLM, GenerateBaseServing): `check_health` answers /health; `_raise_if_error`
-    turns a request finished with an error into the HTTP error."""
+    turns a request finished with an error into the HTTP error, and
+    `_convert_generation_error_to_streaming_response` into a stream's error event."""
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.v1.engine.async_llm import AsyncLLM
 

