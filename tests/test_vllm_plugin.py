@@ -106,3 +106,20 @@ def test_vllm_serve_help_lists_the_afd_flags() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--afd-controller" in out.stdout and "--afd-role" in out.stdout
+
+
+@pytest.mark.parametrize("asked", [None, "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL"])
+def test_attention_role_never_captures_the_exchange_in_a_full_graph(
+    tiny_model: Path, asked: str | None
+) -> None:
+    """A host-driven NIXL exchange inside a FULL CUDA graph would replay without sending:
+    vLLM's default and explicit FULL modes become PIECEWISE (the exchange between pieces)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ext import hooks
+
+    compilation = {} if asked is None else {"cudagraph_mode": asked}
+    args = EngineArgs(model=str(tiny_model), compilation_config=compilation)
+    hooks._piecewise_graphs_only(args)
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
