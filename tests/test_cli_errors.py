@@ -163,6 +163,7 @@ def test_watch_says_what_it_watches_before_any_event(start_daemon, procs, tmp_pa
 def test_ffn_start_up_says_at_once_that_afd_ctl_does_not_answer():
     """The FFN server's first contact (before any vLLM work): a daemon that is not running is
     reported within seconds while it keeps retrying, not after the whole connect timeout."""
+    from vllm_ext.control import ControlAccess
     from vllm_ext.exchange import expected_counts
 
     with socket.socket() as s:
@@ -180,13 +181,14 @@ def test_ffn_start_up_says_at_once_that_afd_ctl_does_not_answer():
     start = time.monotonic()
     try:
         with pytest.raises(TimeoutError, match="is `afd-ctl serve` running there"):
-            expected_counts(address, timeout_s=3)
+            expected_counts(ControlAccess(address), timeout_s=3)
     finally:
         logger.removeHandler(handler)
     assert records, "nothing said while afd-ctl did not answer"
     at, message = records[0]
     assert at - start < 2.0, message
-    assert f"afd-ctl at {address} does not answer" in message and "Retrying" in message
+    assert f"afd-ctl at {address} (plaintext, no bearer token) does not answer" in message
+    assert "Retrying" in message
 
 
 def test_demo_sim_leaves_nothing_in_tmp(tmp_path: Path):
