@@ -81,13 +81,19 @@ def start_attention(
     return attention
 
 
-def daemon_status(address: str) -> dict:
-    out = subprocess.run(
-        [bin_path("afd-ctl"), "status", "--controller", address, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+def daemon_status(address: str, within_s: float = 30.0) -> dict:
+    """`afd-ctl status --json`, asked again while the connection attempt fails (on a loaded
+    machine a TCP handshake to the running daemon can fail once), within a bound."""
+    deadline = time.monotonic() + within_s
+    while True:
+        out = subprocess.run(
+            [bin_path("afd-ctl"), "status", "--controller", address, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if out.returncode == 0 or "UNAVAILABLE" not in out.stderr or time.monotonic() > deadline:
+            break
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
