@@ -74,7 +74,15 @@ def test_attention_and_ffn_metrics(
     )
     serving_again(servers, timeout_s=60)
     a2, f2 = scrape(attention_url), scrape(ffn_url)
-    assert a2['afd_failed_steps_total{reason="controller_unreachable"}'] >= 1, a2
+    # The step running at the kill failed; which side noticed first (afd-ctl's session or the
+    # data plane interrupted by it) decides the reason, and that is a race.
+    failed = {k: v for k, v in a2.items() if k.startswith("afd_failed_steps_total{") and v}
+    assert failed, a2
+    assert set(failed) <= {
+        'afd_failed_steps_total{reason="controller_unreachable"}',
+        'afd_failed_steps_total{reason="peer_lost"}',
+        'afd_failed_steps_total{reason="not_ready"}',
+    }, failed
     assert a2["afd_reconnects_total"] >= 1 and f2["afd_reconnects_total"] >= 1
     assert a2["afd_epoch"] == f2["afd_epoch"] > a["afd_epoch"]
     assert a2["afd_hop_seconds_count"] > a["afd_hop_seconds_count"]

@@ -38,17 +38,20 @@ def register() -> None:
 
 
 def _configure_logging() -> None:
-    """vLLM only configures its own `vllm` logger; give ours a handler in the same style."""
+    """vLLM only configures its own `vllm` logger: ours (the extension's, and the control and
+    data planes' it runs, e.g. a rejoin or a lost peer) get a handler in the same style, so
+    they show in every vLLM line's process output."""
     import os
     import sys
 
-    root = logging.getLogger("vllm_ext")
-    if root.handlers:
-        return
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
         logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
     )
-    root.addHandler(handler)
-    root.setLevel(os.environ.get("AFD_LOG_LEVEL", "INFO").upper())
-    root.propagate = False
+    for name in ("vllm_ext", "afd_ctl", "afd_data"):
+        logger = logging.getLogger(name)
+        if logger.handlers:
+            continue
+        logger.addHandler(handler)
+        logger.setLevel(os.environ.get("AFD_LOG_LEVEL", "INFO").upper())
+        logger.propagate = False
