@@ -5,9 +5,7 @@ same port: neither server exits, requests succeed again without restarting eithe
 from __future__ import annotations
 
 import json
-import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from tests.test_vllm_failures import (  # noqa: E402
     http_status,
     post_error,
     start_afd_servers,
+    stream_and_kill,
     tiny_model,  # noqa: F401 (fixture)
 )
 
@@ -29,22 +28,7 @@ LIVENESS_S = 2.0
 def kill_daemon_mid_stream(servers: AfdServers) -> tuple[float, float]:
     """kill -9 afd-ctl once a long streamed request's tokens flow; (killed at, stream ended
     at). The stream must end (with an error) instead of hanging on the step that ran."""
-    body = {**servers.body, "max_tokens": 230, "stream": True}
-    req = urllib.request.Request(
-        servers.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    events: list[dict] = []
-    killed_at = 0.0
-    with urllib.request.urlopen(req, timeout=60) as stream:
-        for raw in stream:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            events.append(json.loads(line[len("data: ") :]))
-            if len(events) == 2:
-                servers.daemon.signal(signal.SIGKILL)
-                killed_at = time.monotonic()
-    ended_at = time.monotonic()
+    events, killed_at, ended_at = stream_and_kill(servers.url, servers.body, servers.daemon)
     assert killed_at, f"the stream ended before the kill: {events}"
     errors = [e["error"] for e in events if "error" in e]
     assert errors, f"the stream ended without an error: {events[-3:]}"

@@ -44,6 +44,27 @@ def http_status(url: str) -> int:
         return exc.code
 
 
+def stream_and_kill(url: str, body: dict, victim: Proc) -> tuple[list[dict], float, float]:
+    """Streams a long request (230 tokens) and kill -9s `victim` once its tokens flow:
+    (the stream's events, killed at, stream ended at; killed at is 0 if it never flowed)."""
+    long_body = {**body, "max_tokens": 230, "stream": True}
+    req = urllib.request.Request(
+        url, data=json.dumps(long_body).encode(), headers={"Content-Type": "application/json"}
+    )
+    events: list[dict] = []
+    killed_at = 0.0
+    with urllib.request.urlopen(req, timeout=60) as stream:
+        for raw in stream:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: ") :]))
+            if len(events) == 2:
+                victim.signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+    return events, killed_at, time.monotonic()
+
+
 def post_error(url: str, body: dict) -> tuple[int, str]:
     """(status, body) of a request expected to fail."""
     req = urllib.request.Request(
@@ -127,21 +148,7 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     health, url, body = servers.health, servers.url, servers.body
 
     # A long streamed request; kill -9 the FFN server once its tokens flow.
-    long_body = {**body, "max_tokens": 230, "stream": True}
-    req = urllib.request.Request(
-        url, data=json.dumps(long_body).encode(), headers={"Content-Type": "application/json"}
-    )
-    events: list[dict] = []
-    with urllib.request.urlopen(req, timeout=60) as stream:
-        for raw in stream:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            events.append(json.loads(line[len("data: ") :]))
-            if len(events) == 2:
-                ffn.signal(signal.SIGKILL)
-                killed_at = time.monotonic()
-        ended_at = time.monotonic()
+    events, killed_at, ended_at = stream_and_kill(url, body, ffn)
     assert len(events) >= 2, events
     assert ended_at - killed_at < 10, f"the request ended {ended_at - killed_at:.1f} s after"
     errors = [e["error"] for e in events if "error" in e]
