@@ -115,6 +115,18 @@ def pctl(samples: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples), q))
 
 
+def medians_from_start(
+    names: tuple[str, ...], rows: list[tuple[int, ...]], starts: list[int]
+) -> dict[str, float]:
+    """For each point of a round trip, the median µs from its start (ns stamps)."""
+    return {
+        name: round(
+            float(np.median([row[i] - s for row, s in zip(rows, starts, strict=True)])) / 1e3, 1
+        )
+        for i, name in enumerate(names)
+    }
+
+
 # ---------------------------------------------------------------------------- raw NIXL
 
 
@@ -129,6 +141,7 @@ class RawNixl:
         max_bytes: int,
         sizes: list[int],
         poll: dict[str, float] | None = None,
+        progress_thread: bool = False,
     ):
         from afd_data.config import TransportConfig
         from afd_data.nixl_loader import import_nixl
@@ -149,7 +162,7 @@ class RawNixl:
         self.bufs = bufs
         self.sizes = sizes
         self.agent = api.nixl_agent(
-            name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         )
         self.send = bufs.alloc(max_bytes)
         self.recv = bufs.alloc(max_bytes)
@@ -195,6 +208,15 @@ class RawNixl:
             raise RuntimeError("raw WRITE failed")
         self.posted.add(index)
 
+    def wait_sent(self, index: int) -> None:
+        """Until this side's WRITE ``index`` is complete (the breakdown's "sent" point)."""
+        h = self.handles[index]
+        self.wait(lambda: self.agent.check_xfer_state(h) != "PROC", 10.0)
+
+    def ping(self) -> None:
+        """A notification alone, no data: the notification path's own latency."""
+        self.agent.send_notif(self.peer, b"p")
+
     def idle(self) -> bool:
         """Polls every posted WRITE (their notifications leave only while we poll)."""
         return all(self.agent.check_xfer_state(self.handles[i]) != "PROC" for i in self.posted)
@@ -239,7 +261,12 @@ def serve(args: argparse.Namespace) -> None:
     t = NixlTransport(f"bench-ffn-{os.getpid()}", "ffn", 0, cfg, device=args.device)
     poll = {k: v for k, v in json.loads(args.config).items() if k.startswith("poll_")}
     raw = RawNixl(
-        f"bench-raw-ffn-{os.getpid()}", bufs, args.raw_max, json.loads(args.raw_sizes), poll
+        f"bench-raw-ffn-{os.getpid()}",
+        bufs,
+        args.raw_max,
+        json.loads(args.raw_sizes),
+        poll,
+        progress_thread=cfg.progress_thread,
     )
     say({"blob": base64.b64encode(t.blob()).decode(), **raw.hello()})
     peer = json.loads(sys.stdin.readline())
@@ -266,6 +293,35 @@ def serve(args: argparse.Namespace) -> None:
                     bufs.copy(raw.send[:n], raw.recv[:n])
                     bufs.sync()
                 raw.post(cmd["index"])
+            raw.wait(raw.idle, 30)
+        elif cmd["phase"] == "raw_breakdown":  # seen, posted, sent (monotonic ns)
+            stamps = []
+            for _ in range(cmd["iters"]):
+                raw.wait_notif()
+                seen = time.monotonic_ns()
+                raw.post(cmd["index"])
+                posted = time.monotonic_ns()
+                raw.wait_sent(cmd["index"])
+                stamps.append((seen, posted, time.monotonic_ns()))
+            say({"ok": cmd["phase"], "stamps": stamps})
+            continue
+        elif cmd["phase"] == "afd_breakdown":  # recv_hidden returned, send_output returned
+            stamps = []
+            for step in range(cmd["first_step"], cmd["first_step"] + cmd["steps"]):
+                t.begin_step(step, [[cmd["rows"]]])
+                for layer in range(cmd["layers"]):
+                    batch = t.recv_hidden(layer, 0)
+                    seen = time.monotonic_ns()
+                    t.send_output(layer, 0, t.output_buffer(layer, 0))
+                    stamps.append((seen, time.monotonic_ns()))
+                    del batch
+                t.end_step()
+            say({"ok": cmd["phase"], "stamps": stamps})
+            continue
+        elif cmd["phase"] == "ping":
+            for _ in range(cmd["iters"]):
+                raw.wait_notif()
+                raw.ping()
             raw.wait(raw.idle, 30)
         elif cmd["phase"] == "quit":
             break
@@ -353,6 +409,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "poll_spin_us": args.spin_us,
         "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
+        "progress_thread": args.progress_thread,
     }
     raw_sizes = [tok * ROW_BYTES for tok in tokens_list] + [bw_bytes]
     bufs = Buffers(args.device)
@@ -365,7 +422,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
     }
-    raw = RawNixl(f"bench-raw-attn-{os.getpid()}", bufs, bw_bytes, raw_sizes, poll)
+    raw = RawNixl(
+        f"bench-raw-attn-{os.getpid()}",
+        bufs,
+        bw_bytes,
+        raw_sizes,
+        poll,
+        progress_thread=args.progress_thread,
+    )
     try:
         hello = child.read()
         child.send({"blob": base64.b64encode(t.blob()).decode(), **raw.hello()})
@@ -424,6 +488,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert child.read()["ok"] == "raw"
             return times
 
+        def breakdown(tokens: int, index: int, iters: int) -> dict[str, Any]:
+            """Where one round trip's time goes, from both processes' CLOCK_MONOTONIC stamps
+            (one clock for every process on the host); medians in µs from the first post."""
+            label = size_label(tokens)
+            child.send({"phase": "raw_breakdown", "index": index, "iters": iters})
+            mine = []
+            for _ in range(iters):
+                start = time.monotonic_ns()
+                raw.post(index)
+                posted = time.monotonic_ns()
+                raw.wait_sent(index)
+                sent = time.monotonic_ns()
+                raw.wait_notif()
+                mine.append((start, posted, sent, time.monotonic_ns()))
+            theirs = child.read()["stamps"]
+            names = ("post", "sent", "ffn_seen", "ffn_post", "ffn_sent", "back_seen")
+            rows = [(m[1], m[2], f[0], f[1], f[2], m[3]) for m, f in zip(mine, theirs, strict=True)]
+            out: dict[str, Any] = {
+                f"breakdown_raw_{label}_us": medians_from_start(names, rows, [m[0] for m in mine])
+            }
+            steps = max(1, iters // LAYERS_PER_STEP)
+            child.send(
+                {
+                    "phase": "afd_breakdown",
+                    "rows": tokens,
+                    "layers": LAYERS_PER_STEP,
+                    "steps": steps,
+                    "first_step": step[0],
+                }
+            )
+            mine = []
+            for _ in range(steps):
+                t.begin_step(step[0], [[tokens]])
+                step[0] += 1
+                for layer in range(LAYERS_PER_STEP):
+                    hidden, _ = t.hidden_buffer(layer, 0)
+                    start = time.monotonic_ns()
+                    t.send_hidden(layer, 0, hidden)
+                    posted = time.monotonic_ns()
+                    t.recv_outputs(layer, 0)
+                    mine.append((start, posted, time.monotonic_ns()))
+                t.end_step()
+            theirs = child.read()["stamps"]
+            names = ("send_hidden", "ffn_recv_hidden", "ffn_send_output", "recv_outputs")
+            rows = [(m[1], f[0], f[1], m[2]) for m, f in zip(mine, theirs, strict=True)]
+            out[f"breakdown_afd_{label}_us"] = medians_from_start(names, rows, [m[0] for m in mine])
+            # The notification path alone (no data): what each leg pays besides the copy.
+            child.send({"phase": "ping", "iters": iters})
+            pings = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                raw.ping()
+                raw.wait_notif()
+                pings.append(time.perf_counter() - start)
+            assert child.read()["ok"] == "ping"
+            out["notif_only_rt_p50_us"] = round(pctl(pings, 50) * 1e6, 1)
+            return out
+
         # Verification: random data echoed through both paths, every byte compared.
         for tokens in (*tokens_list, 1):
             afd_rt(tokens, 3, 1, echo=True, data=bufs.random_rows(tokens))
@@ -475,7 +597,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bufs.sync()
             floor_rt.append(time.perf_counter() - start)
 
-        ref = size_label(128 if 128 in tokens_list else tokens_list[0])
+        ref_tokens = 128 if 128 in tokens_list else tokens_list[0]
+        ref = size_label(ref_tokens)
+        result.update(breakdown(ref_tokens, tokens_list.index(ref_tokens), 100 if quick else 1000))
         bw = 2 * bw_bytes / pctl(afd_bw, 50) / 1e9
         raw_bw_gbps = 2 * bw_bytes / pctl(raw_bw, 50) / 1e9
         floor_bw = bw_bytes / pctl(copies, 50) / 1e9
@@ -517,6 +641,11 @@ def main() -> None:
     p.add_argument("--sleep-us", type=float, default=20.0, help="sleep between polls after")
     p.add_argument("--tokens", default="64,128,256", help="round-trip token counts")
     p.add_argument("--bw-mib", type=int, default=256, help="bandwidth transfer size")
+    p.add_argument(
+        "--progress-thread",
+        action="store_true",
+        help="NIXL progress thread in every agent (TransportConfig.progress_thread)",
+    )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--raw-sizes", help=argparse.SUPPRESS)
@@ -539,6 +668,8 @@ def main() -> None:
         "poll_spin_us": args.spin_us,
         "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
+        "progress_thread": args.progress_thread,
+        "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
         **result,
         "wall_s": round(time.monotonic() - started, 1),
     }
