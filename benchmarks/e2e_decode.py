@@ -20,6 +20,18 @@ Where the added time goes, per decode step:
 
     python benchmarks/e2e_decode.py [--quick]
 
+GPU mode (two GPUs, vLLM with CUDA, dummy weights of a DeepSeek-V3-shaped model: hidden 7168,
+MLA q_lora 1536 / kv_lora 512 / rope 64 / 128 heads, 256 routed experts top-8 with grouped
+routing plus 1 shared, moe_intermediate 2048, the first layer dense, bf16, CUDA graphs on).
+Decode TPOT at several batch sizes, each part in one engine:
+
+    python benchmarks/e2e_decode.py --gpu --part colocated_1gpu --state S.json  # (a) cuda:0
+    python benchmarks/e2e_decode.py --gpu --part afd --state S.json             # (b) 1:1
+    python benchmarks/e2e_decode.py --gpu --part colocated_2gpu --state S.json  # (c) TP=2+EP
+
+Each part adds its figures to S.json (a part takes a few minutes, so each fits one call on a
+machine with a per-command limit); once all three are there, the JSON line compares them.
+
 Prints one JSON line last.
 """
 
@@ -27,11 +39,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,6 +55,203 @@ from vllm_ext.testing.procs import ffn_argv, offline_argv, vllm_env  # noqa: E40
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
 STATS_RE = re.compile(r"afd ffn \S+: stats (\{.*\})")
+GPU_PARTS = ("colocated_1gpu", "afd", "colocated_2gpu")
+
+
+def v3_shaped_config(layers: int) -> dict[str, Any]:
+    """DeepSeek-V3's layer shapes (its real vocabulary size too: the LM head is part of a step)."""
+    from vllm_ext.testing.tiny_deepseek import config_for
+
+    config = config_for(3, head_dim=128)
+    config.update(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        n_group=8,
+        topk_group=4,
+        torch_dtype="bfloat16",
+        max_position_embeddings=4096,
+    )
+    return config
+
+
+def write_v3_shaped(out: Path, layers: int) -> Path:
+    """config.json and a tokenizer; the weights are vLLM's dummy ones (--load-format dummy)."""
+    from vllm_ext.testing.tiny_deepseek import BOS_ID, EOS_ID, build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(v3_shaped_config(layers), indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
+    )
+    build_tokenizer(out)
+    return out
+
+
+def plugin_path(tmp: Path) -> str:
+    """A PYTHONPATH entry that declares the plugin's entry point (vllm.general_plugins) when
+    this checkout is not pip-installed (as on the GPU machines)."""
+    from importlib.metadata import entry_points
+
+    if any(ep.value.startswith("vllm_ext") for ep in entry_points(group="vllm.general_plugins")):
+        return ""
+    meta = tmp / "afd-meta" / "afd_ctl-0.1.0.dist-info"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: afd-ctl\nVersion: 0.1.0\n")
+    (meta / "entry_points.txt").write_text("[vllm.general_plugins]\nafd = vllm_ext:register\n")
+    return str(tmp / "afd-meta")
+
+
+def gpu_env(visible: str, extra_path: str) -> dict[str, str]:
+    """All GPUs stay visible (CUDA IPC between the processes needs both), in the order that
+    makes the wanted one this process's cuda:0."""
+    env = {
+        "CUDA_VISIBLE_DEVICES": visible,
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (extra_path, str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        )
+    return env
+
+
+def gpu_llm_kwargs(max_batch: int, memory: float) -> dict[str, Any]:
+    return {
+        "dtype": "bfloat16",
+        "enforce_eager": False,
+        "load_format": "dummy",
+        "max_model_len": 1024,
+        "max_num_seqs": max_batch,
+        "max_num_batched_tokens": max(2048, max_batch * 16),
+        "gpu_memory_utilization": memory,
+        "seed": 0,
+    }
+
+
+def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Runs one part of the GPU comparison; returns its per-batch figures."""
+    batches = [int(b) for b in args.batches.split(",")]
+    model = write_v3_shaped(tmp / "model", args.layers)
+    extra = plugin_path(tmp)
+    kwargs = gpu_llm_kwargs(max(batches), args.gpu_memory)
+    bench = [
+        "--gpu", "--bench-decode", str(args.tokens), "--repeats", str(args.repeats),
+        "--batches", args.batches,
+    ]  # fmt: skip
+    if args.part == "colocated_2gpu":
+        kwargs.update(tensor_parallel_size=2, enable_expert_parallel=True)
+    procs: list[Proc] = []
+    try:
+        if args.part == "afd":
+            daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
+            procs.append(daemon)
+            ffn_flags = [
+                "--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "1024",
+                "--max-num-seqs", str(max(batches)),
+                "--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"]),
+                "--gpu-memory-utilization", str(args.gpu_memory),
+            ]  # fmt: skip
+            argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+                    "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags]  # fmt: skip
+            procs.append(Proc(argv, tmp / "ffn.log", gpu_env("1,0", extra)))
+            kwargs["additional_config"] = {
+                "afd": {"role": "attention", "controller": daemon.address}
+            }
+        main_proc = Proc(
+            offline_argv(model, *bench, "--llm-kwargs", json.dumps(kwargs)),
+            tmp / f"{args.part}.log",
+            gpu_env("0,1", extra),
+        )
+        procs.append(main_proc)
+        report = main_proc.json_report(timeout=args.timeout)
+        if args.part == "afd":
+            main_proc.wait(120)  # its exit publishes stop: the FFN server logs its stats
+            procs[1].wait(60)
+            match = STATS_RE.search(procs[1].log())
+            report["ffn_stats"] = json.loads(match.group(1)) if match else {}
+        return report
+    except (AssertionError, RuntimeError):
+        for p in procs:
+            print(f"--- {p.log_path.name}\n{p.tail(40)}", file=sys.stderr)
+        raise
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The comparison once the three parts are in: TPOT, tokens/s per GPU, the exchange's share."""
+    result: dict[str, Any] = {
+        "benchmark": "e2e_decode",
+        "mode": "gpu",
+        "model": f"deepseek-v3-shaped-{args.layers}-layers-dummy",
+        "decode_tokens": args.tokens,
+        "repeats": args.repeats,
+        "parts_done": [p for p in GPU_PARTS if p in state],
+    }
+    gpus = {"colocated_1gpu": 1, "afd": 2, "colocated_2gpu": 2}
+    for batch in args.batches.split(","):
+        row: dict[str, Any] = {}
+        for part in GPU_PARTS:
+            figures = state.get(part, {}).get("batches", {}).get(batch)
+            if not figures:
+                continue
+            row[f"tpot_ms_{part}"] = round(figures["tpot_ms"], 3)
+            row[f"tokens_per_s_per_gpu_{part}"] = round(
+                figures["decode_tokens_per_s"] / gpus[part], 1
+            )
+            if part == "afd":
+                exchange = (
+                    figures["exchange_post_ms_per_step"] + figures["exchange_wait_ms_per_step"]
+                )
+                row["afd_exchange_ms_per_step"] = round(exchange, 3)
+                row["afd_exchange_share_of_step"] = round(exchange / figures["tpot_ms"], 3)
+        if "tpot_ms_afd" in row and "tpot_ms_colocated_1gpu" in row:
+            row["ratio_tpot_afd_vs_colocated_1gpu"] = round(
+                row["tpot_ms_afd"] / row["tpot_ms_colocated_1gpu"], 3
+            )
+        if "tokens_per_s_per_gpu_afd" in row and "tokens_per_s_per_gpu_colocated_2gpu" in row:
+            row["ratio_tokens_per_gpu_afd_vs_colocated_2gpu"] = round(
+                row["tokens_per_s_per_gpu_afd"] / row["tokens_per_s_per_gpu_colocated_2gpu"], 3
+            )
+        result[f"batch_{batch}"] = row
+    ffn = state.get("afd", {}).get("ffn_stats", {})
+    if ffn:
+        result["ffn_compute_ms_median_all_steps"] = ffn.get("compute_ms_median")
+    result["note"] = (
+        "dummy weights: the FFN server's differ from the colocated ones (vLLM's dummy loader "
+        "draws per module), so tokens are not compared; exchange = the attention side's own "
+        "timers (post + wait until the output is back), so it includes the FFN compute"
+    )
+    return result
+
+
+def main_gpu(args: argparse.Namespace) -> None:
+    state_path = Path(args.state)
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    started = time.monotonic()
+    if args.part:
+        with tempfile.TemporaryDirectory(prefix="afd-e2e-gpu-") as tmp:
+            state[args.part] = gpu_part(args, Path(tmp))
+        state[args.part]["wall_s"] = round(time.monotonic() - started, 1)
+        state_path.write_text(json.dumps(state))
+    print(json.dumps(gpu_summary(state, args)), flush=True)
 
 
 def main() -> None:
@@ -50,7 +261,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--version", type=int, default=2, choices=(2, 3))
+    gpu = parser.add_argument_group("GPU mode")
+    gpu.add_argument("--gpu", action="store_true", help="DeepSeek-V3-shaped, two GPUs")
+    gpu.add_argument("--part", choices=GPU_PARTS, help="run this part (else: summarise state)")
+    gpu.add_argument("--state", default="e2e_gpu_state.json", help="parts' figures accumulate here")
+    gpu.add_argument("--batches", default="16,64,256")
+    gpu.add_argument("--layers", type=int, default=4)
+    gpu.add_argument("--gpu-memory", type=float, default=0.85)
+    gpu.add_argument("--timeout", type=float, default=540.0, help="seconds for one part")
     args = parser.parse_args()
+    if args.gpu:
+        if args.tokens == 128:
+            args.tokens = 64
+        main_gpu(args)
+        return
     if args.quick:
         args.tokens, args.repeats = 32, 2
     started = time.monotonic()

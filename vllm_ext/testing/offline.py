@@ -160,6 +160,62 @@ def bench_decode(
     return report
 
 
+def bench_decode_batches(
+    model: str, decode_tokens: int, repeats: int, batches: list[int], **llm_kwargs: Any
+) -> dict[str, Any]:
+    """GPU decode speed at several batch sizes in one engine (CUDA graphs stay on, so no module
+    timers): per batch, TPOT = (t(N) - t(1)) / (N - 1), best of `repeats`, decode tokens/s, and
+    for AFD the exchange's own timers per decode step (post: staging and posting the rows;
+    wait: until the FFN's output is back, i.e. FFN compute plus the two hops)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, **{**LLM_KWARGS, **llm_kwargs})
+    afd = bool(llm_kwargs.get("additional_config"))
+
+    def exchange_totals() -> tuple[float, float, float]:
+        if not afd:
+            return 0.0, 0.0, 0.0
+        stats = llm.collective_rpc("afd_stats")[0]
+        n = float(stats.get("exchanges", 0))
+        return n, stats["post_us_per_layer"] * n / 1e3, stats["wait_us_per_layer"] * n / 1e3
+
+    def timed(prompts: list[str], n: int) -> tuple[float, tuple[float, ...], list[list[int]]]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        before = exchange_totals()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        after = exchange_totals()
+        spent = tuple(a - b for a, b in zip(after, before, strict=True))
+        return elapsed, spent, [list(o.outputs[0].token_ids) for o in outs]
+
+    report: dict[str, Any] = {"batches": {}}
+    for batch in batches:
+        prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" {i}" for i in range(batch)]
+        timed(prompts, 4)  # warm-up
+        best: tuple[float, tuple[float, ...]] | None = None
+        tokens: list[list[int]] = []
+        for _ in range(repeats):
+            t1, x1, _ = timed(prompts, 1)
+            tn, xn, tokens = timed(prompts, decode_tokens)
+            tpot = (tn - t1) / (decode_tokens - 1)
+            per_step = tuple((b - a) / (decode_tokens - 1) for a, b in zip(x1, xn, strict=True))
+            if best is None or tpot < best[0]:
+                best = (tpot, per_step)
+        assert best is not None
+        row: dict[str, Any] = {
+            "tpot_ms": best[0] * 1e3,
+            "decode_tokens_per_s": batch / best[0],
+            "token_ids": tokens,
+        }
+        if afd:
+            row["exchange_post_ms_per_step"] = best[1][1]
+            row["exchange_wait_ms_per_step"] = best[1][2]
+            row["exchanges_per_step"] = best[1][0]
+        report["batches"][str(batch)] = row
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -173,14 +229,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="GPU engine: no CPU settings; --batches and --llm-kwargs apply",
+    )
+    parser.add_argument("--batches", default="", help="with --bench-decode: e.g. 16,64,256")
+    parser.add_argument("--llm-kwargs", default="{}", help="JSON: LLM() arguments to override")
     args = parser.parse_args()
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = json.loads(args.llm_kwargs)
+    if not args.gpu:
+        apply_cpu_env()
     if args.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.afd_controller:
         kwargs["additional_config"] = {
             "afd": {"role": "attention", "controller": args.afd_controller}
         }
+    if args.bench_decode and args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+        report = bench_decode_batches(
+            args.model, args.bench_decode, args.repeats, batches, **kwargs
+        )
+        print(json.dumps(report), flush=True)
+        return
     if args.bench_decode:
         report = bench_decode(args.model, args.bench_decode, args.repeats, args.batch, **kwargs)
         print(json.dumps(report), flush=True)
