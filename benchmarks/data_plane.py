@@ -44,6 +44,37 @@ ROW_BYTES = HIDDEN * 2  # bf16
 TOKENS = (64, 128, 256)
 LAYERS_PER_STEP = 61  # DeepSeek-V3
 PREFIX = "@@ "  # protocol lines on the child's stdout; anything else is ignored
+# AFD_BENCH_PROFILE=DIR: both processes run their afd_data calls under cProfile and write the
+# top functions by own time to DIR/profile-<side>.txt (timings are then not comparable).
+PROFILE_DIR = os.environ.get("AFD_BENCH_PROFILE", "")
+
+
+class Profile:
+    """cProfile around the afd_data phases only, when AFD_BENCH_PROFILE is set."""
+
+    def __init__(self, side: str):
+        import cProfile
+
+        self.side = side
+        self.prof = cProfile.Profile() if PROFILE_DIR else None
+
+    def __enter__(self) -> None:
+        if self.prof is not None:
+            self.prof.enable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prof is not None:
+            self.prof.disable()
+
+    def dump(self) -> None:
+        if self.prof is None:
+            return
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(35)
+        Path(PROFILE_DIR, f"profile-{self.side}.txt").write_text(text.getvalue())
 
 
 def size_label(tokens: int) -> str:
@@ -273,18 +304,12 @@ def serve(args: argparse.Namespace) -> None:
     t.connect(1, [("attention", 0, 0, base64.b64decode(peer["blob"]))])
     raw.connect(peer)
     say({"ready": True})
+    profile = Profile("ffn")
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["phase"] == "afd":
-            for step in range(cmd["first_step"], cmd["first_step"] + cmd["steps"]):
-                t.begin_step(step, [[cmd["rows"]]])
-                for layer in range(cmd["layers"]):
-                    batch = t.recv_hidden(layer, 0)
-                    out = t.output_buffer(layer, 0)
-                    if cmd["echo"]:
-                        bufs.copy(out, batch.hidden)
-                    t.send_output(layer, 0, out)
-                t.end_step()
+            with profile:
+                serve_afd(t, bufs, cmd)
         elif cmd["phase"] == "raw":
             for _ in range(cmd["iters"]):
                 raw.wait_notif()
@@ -326,7 +351,21 @@ def serve(args: argparse.Namespace) -> None:
         elif cmd["phase"] == "quit":
             break
         say({"ok": cmd["phase"]})
+    profile.dump()
     t.close()
+
+
+def serve_afd(t: Any, bufs: Buffers, cmd: dict[str, Any]) -> None:
+    """The FFN side of afd_rt: per layer, receive, (echo,) send the output back."""
+    for step in range(cmd["first_step"], cmd["first_step"] + cmd["steps"]):
+        t.begin_step(step, [[cmd["rows"]]])
+        for layer in range(cmd["layers"]):
+            batch = t.recv_hidden(layer, 0)
+            out = t.output_buffer(layer, 0)
+            if cmd["echo"]:
+                bufs.copy(out, batch.hidden)
+            t.send_output(layer, 0, out)
+        t.end_step()
 
 
 # ---------------------------------------------------------------------------- the attention side
@@ -437,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw.connect(hello)
         child.read()  # ready
         step = [0]
+        profile = Profile("attention")
 
         def afd_rt(rows: int, layers: int, steps: int, echo: bool, data: Any = None) -> list[float]:
             """Per-layer round trips through afd_data (seconds)."""
@@ -452,6 +492,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             times: list[float] = []
             ok = True
+            with profile:
+                ok = afd_loop(rows, layers, steps, data, times)
+            assert child.read()["ok"] == "afd"
+            if not ok:
+                raise AssertionError(f"afd_data echo of {rows} rows came back different")
+            return times
+
+        def afd_loop(rows: int, layers: int, steps: int, data: Any, times: list[float]) -> bool:
+            ok = True
             for _ in range(steps):
                 t.begin_step(step[0], [[rows]])
                 step[0] += 1
@@ -466,10 +515,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if data is not None:
                         ok = ok and bufs.equal(out, data)
                 t.end_step()
-            assert child.read()["ok"] == "afd"
-            if not ok:
-                raise AssertionError(f"afd_data echo of {rows} rows came back different")
-            return times
+            return ok
 
         def raw_rt(index: int, iters: int, echo: bool, data: Any = None) -> list[float]:
             child.send({"phase": "raw", "index": index, "iters": iters, "echo": echo})
@@ -621,6 +667,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "verified": verified,
             }
         )
+        profile.dump()
         return result
     finally:
         t.close()
