@@ -20,7 +20,8 @@ from afd_data.routing import Role
 from afd_data.step_plan import PeerSlice
 
 if TYPE_CHECKING:
-    from afd_data.nixl_transport import HiddenBatch, NixlTransport, PeerSpec
+    from afd_data.endpoints import HiddenBatch
+    from afd_data.nixl_transport import NixlTransport, PeerSpec
 
 __all__ = [
     "AfdBadInput",
@@ -41,7 +42,7 @@ _LAZY = {"HiddenBatch", "NixlTransport", "PeerSpec"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from afd_data import nixl_transport
+        from afd_data import endpoints, nixl_transport
 
-        return getattr(nixl_transport, name)
+        return getattr(endpoints if name == "HiddenBatch" else nixl_transport, name)
     raise AttributeError(f"module 'afd_data' has no attribute {name!r}")

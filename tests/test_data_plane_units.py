@@ -1,0 +1,197 @@
+"""The data plane's pure pieces on their own: the inbox of notifications and the credit rules.
+
+No NIXL agent and no process here: the inbox takes notifications as the bytes a peer's WRITE
+carries (``afd_data.notify.pack``), and the credit rules are plain functions over a Credits
+value. The last test builds one real transport to check that ``NixlTransport(...)`` is the
+endpoint of its role.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from afd_data import credits, notify
+from afd_data.credits import Credits
+from afd_data.errors import AfdBadInput, AfdProtocolError, AfdStaleEpoch
+from afd_data.inbox import Inbox
+from afd_data.notify import Kind, Notice
+from afd_data.routing import Role
+
+# An FFN worker (rank 0) whose attention peers are ranks 0 and 2 (agents "a0", "a2").
+SENDERS = {"a0": 0, "a2": 2}
+LABELS = ["attention rank 0 (agent a0)", "attention rank 2 (agent a2)"]
+
+
+def hidden(epoch: int, step: int, layer: int = 0, stage: int = 0, src: int = 0, rows: int = 1):
+    return notify.pack(Kind.HIDDEN, epoch, step, layer, stage, src, rows)
+
+
+def ffn_inbox(cap: int = 8, screen=None) -> Inbox:
+    return Inbox("ffn-unit", Role.FFN, 0, 2, Kind.HIDDEN, cap, screen or (lambda n: None))
+
+
+# ---------------------------------------------------------------------------- inbox
+
+
+def test_inbox_keeps_newer_epochs_drops_left_ones_refuses_unknown(caplog) -> None:
+    inbox = ffn_inbox()
+    inbox.absorb("a0", hidden(epoch=3, step=1))  # before the first connect: kept aside
+    assert inbox.arrived == {} and len(inbox.future) == 1
+    inbox.enter_epoch(3, SENDERS, LABELS)
+    assert inbox.arrived == {(1, 0, 0, 0): 1} and inbox.future == []
+
+    inbox.absorb("a2", hidden(epoch=5, step=1, src=2))  # a peer that reconnected first
+    assert len(inbox.future) == 1
+    inbox.enter_epoch(5, SENDERS, LABELS)
+    assert inbox.arrived == {(1, 0, 0, 2): 1} and inbox.past_epochs == {3}
+
+    with caplog.at_level(logging.INFO, logger="afd_data.inbox"):
+        inbox.absorb("a0", hidden(epoch=3, step=2))  # late traffic of an epoch it left
+    assert "dropped late hidden notification epoch 3" in caplog.text
+    with pytest.raises(AfdStaleEpoch, match="epoch 4, which this transport never joined"):
+        inbox.absorb("a0", hidden(epoch=4, step=2))
+    assert inbox.arrived == {(1, 0, 0, 2): 1}
+
+
+def test_inbox_refuses_strangers_wrong_kind_stage_duplicates_and_overflow() -> None:
+    inbox = ffn_inbox(cap=3)
+    inbox.enter_epoch(3, SENDERS, LABELS)
+    inbox.absorb("a0", notify.pack(Kind.PROBE, 3, 0, 0, 0, 0, 0))  # probes are ignored
+    cases = [
+        ("x9", hidden(3, 1), "not a attention peer of ffn rank 0 in epoch 3"),
+        ("a0", hidden(3, 1, src=2), "not a attention peer"),  # agent a0 is rank 0, not 2
+        ("a0", notify.pack(Kind.OUTPUT, 3, 1, 0, 0, 0, 1), "not a attention peer"),
+        ("a0", hidden(3, 1, stage=2), "stage 2 but num_stages is 2"),
+        ("a0", b"hello", "not an afd data-plane message"),
+    ]
+    for agent, msg, message in cases:
+        with pytest.raises(AfdProtocolError, match=message):
+            inbox.absorb(agent, msg)
+    inbox.absorb("a0", hidden(3, 1))
+    with pytest.raises(AfdProtocolError, match="duplicate"):
+        inbox.absorb("a0", hidden(3, 1))
+    inbox.absorb("a0", hidden(3, 1, layer=1))
+    inbox.absorb("a0", hidden(3, 1, layer=2))
+    with pytest.raises(AfdProtocolError, match="more than 3 notifications waiting"):
+        inbox.absorb("a0", hidden(3, 1, layer=3))
+    assert len(inbox.arrived) == 3
+
+
+def test_inbox_files_the_rest_then_raises_the_first_refusal() -> None:
+    refused: list[Notice] = []
+
+    def screen(n: Notice) -> None:
+        if n.step < 2:
+            refused.append(n)
+            raise AfdProtocolError(f"{n.describe()}: unknown step")
+
+    inbox = ffn_inbox(screen=screen)
+    inbox.enter_epoch(3, SENDERS, LABELS)
+    with pytest.raises(AfdProtocolError, match="unknown step"):
+        inbox.absorb_all({"a0": [hidden(3, 1), hidden(3, 2)], "a2": [hidden(3, 2, src=2)]})
+    assert [n.step for n in refused] == [1]
+    assert set(inbox.arrived) == {(2, 0, 0, 0), (2, 0, 0, 2)}
+
+
+def test_inbox_purge_and_take_check_rows() -> None:
+    inbox = ffn_inbox()
+    inbox.enter_epoch(3, SENDERS, LABELS)
+    for msg in (hidden(3, 1), hidden(3, 2, rows=2), hidden(3, 2, src=2, rows=1)):
+        inbox.absorb("a0" if notify.unpack(msg, "?").src_rank == 0 else "a2", msg)
+    assert inbox.purge_before(2) == 1  # step 1 was never taken
+    keys = [(2, 0, 0, 0), (2, 0, 0, 2)]
+    assert inbox.complete(keys) and not inbox.complete([(2, 1, 0, 0)])
+    with pytest.raises(AfdProtocolError, match=r"attention rank 2 sent 1 rows .* says 3"):
+        inbox.take(keys, {0: 2, 2: 3}, [2, 0, 3], "hidden states")
+    assert inbox.arrived == {}  # taken, right or wrong
+    inbox.leave_epoch()
+    assert inbox.epoch is None and inbox.past_epochs == {3}
+
+
+# ---------------------------------------------------------------------------- credit rules
+
+
+def test_attention_credits() -> None:
+    c = Credits.empty(2)
+    credits.check_next_step(c, 5, epoch=3)
+    credits.begin_step(c, 5)
+    credits.check_send_hidden(c, slot=0, layer=0, stage=0, layers_in_flight=1)
+    credits.hidden_sent(c, slot=0, layer=0, stage=0)
+    with pytest.raises(AfdBadInput, match=r"overwrite .* call recv_outputs\(layer=0, stage=0\)"):
+        credits.check_send_hidden(c, slot=0, layer=1, stage=0, layers_in_flight=1)
+    with pytest.raises(AfdBadInput, match="no hidden states of that layer"):
+        credits.check_recv_outputs(c, slot=1, layer=0, stage=1)
+    with pytest.raises(AfdBadInput, match=r"end_step\(\) while step 5 .* recv_outputs\(layer=0"):
+        credits.check_step_finished(c, "end_step()", "recv_outputs")
+
+    # An output answers only an outstanding layer of the current step.
+    credits.check_output_notice(c, Notice(Kind.OUTPUT, 3, 5, 0, 0, 0, 1), slot=0)
+    with pytest.raises(AfdProtocolError, match="unknown step/layer, this rank is at step 5"):
+        credits.check_output_notice(c, Notice(Kind.OUTPUT, 3, 4, 0, 0, 0, 1), slot=0)
+
+    credits.check_recv_outputs(c, slot=0, layer=0, stage=0)
+    credits.outputs_taken(c, slot=0, layer=0, stage=0)
+    credits.check_step_finished(c, "end_step()", "recv_outputs")
+    credits.check_send_hidden(c, slot=0, layer=1, stage=0, layers_in_flight=1)  # freed
+    credits.hidden_sent(c, slot=0, layer=1, stage=0)
+    with pytest.raises(AfdBadInput, match="layers must increase"):
+        credits.check_send_hidden(c, slot=0, layer=1, stage=0, layers_in_flight=1)
+    with pytest.raises(AfdBadInput, match="does not increase"):
+        credits.check_next_step(c, 5, epoch=3)
+
+    credits.reset(c)  # a membership change forgets the step and its ids
+    assert (c.step, c.last_step, c.outstanding, c.last_layer) == (None, None, [{}, {}], [-1, -1])
+    credits.check_next_step(c, 1, epoch=4)
+    with pytest.raises(AfdBadInput, match="integer >= 0"):
+        credits.check_next_step(c, -1, epoch=4)
+
+
+def test_ffn_credits() -> None:
+    c = Credits.empty(1)
+    # Before the first step, hidden states of any step are kept.
+    credits.check_hidden_notice(c, Notice(Kind.HIDDEN, 3, 7, 0, 0, 0, 1))
+    credits.begin_step(c, 7)
+    with pytest.raises(AfdBadInput, match="not received in step 7; call recv_hidden first"):
+        credits.check_send_output(c, slot=0, layer=0, stage=0)
+    credits.check_recv_hidden(c, slot=0, layer=0, stage=0)
+    credits.hidden_taken(c, slot=0, layer=0, stage=0)
+    with pytest.raises(AfdBadInput, match=r"slot still holds layer 0; call send_output"):
+        credits.check_recv_hidden(c, slot=0, layer=2, stage=0)
+    with pytest.raises(AfdBadInput, match=r"begin_step\(8\) while step 7 .* send_output"):
+        credits.check_step_finished(c, "begin_step(8)", "send_output")
+    credits.check_send_output(c, slot=0, layer=0, stage=0)
+    credits.output_sent(c, slot=0, stage=0)
+    with pytest.raises(AfdBadInput, match="twice in step 7"):
+        credits.check_recv_hidden(c, slot=1, layer=0, stage=0)
+
+    with pytest.raises(AfdProtocolError, match="at step 7 and already took layer 0"):
+        credits.check_hidden_notice(c, Notice(Kind.HIDDEN, 3, 7, 0, 0, 0, 1))
+    with pytest.raises(AfdProtocolError, match="unknown step, this rank is at step 7;"):
+        credits.check_hidden_notice(c, Notice(Kind.HIDDEN, 3, 6, 5, 0, 0, 1))
+    credits.check_hidden_notice(c, Notice(Kind.HIDDEN, 3, 7, 1, 0, 0, 1))
+    credits.check_hidden_notice(c, Notice(Kind.HIDDEN, 3, 8, 0, 0, 0, 1))  # next step: early
+
+    credits.begin_step(c, 8)
+    assert c.done == [set()] and c.step == 8
+
+
+# ---------------------------------------------------------------------------- endpoints
+
+
+def test_transport_is_the_endpoint_of_its_role() -> None:
+    """One real NIXL agent per role (nothing connected): the role picks the class once."""
+    from afd_data import NixlTransport, TransportConfig
+    from afd_data.endpoints import AttentionEndpoint, FfnEndpoint
+
+    cfg = TransportConfig(hidden_size=16, max_tokens_per_peer=4)
+    for role, cls, foreign in (
+        ("attention", AttentionEndpoint, "recv_hidden"),
+        ("ffn", FfnEndpoint, "send_hidden"),
+    ):
+        with NixlTransport(f"unit-{role}-{os.getpid()}", role, 0, cfg) as t:
+            assert type(t) is cls and isinstance(t, NixlTransport)
+            with pytest.raises(AfdBadInput, match=f"{foreign}\\(\\) is for .* this is {role}"):
+                getattr(t, foreign)(0, 0, None)
