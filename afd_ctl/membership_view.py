@@ -66,7 +66,7 @@ class MembershipView:
             if event.kind == Kind.PEER_LOST:
                 lost = event.worker
                 self._lost = AfdPeerLost(
-                    f"afd peer lost: {afd_pb2.Role.Name(lost.role).lower()} rank "
+                    f"{afd_pb2.Role.Name(lost.role).lower()} rank "
                     f"{lost.role_rank} ({lost.worker_id}): {event.reason}; now epoch "
                     f"{event.view.epoch}, waiting for a replacement",
                     epoch=event.view.epoch,

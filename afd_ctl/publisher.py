@@ -31,7 +31,7 @@ def rejection(rejected: afd_pb2.PublishRejected) -> AfdRejected:
     code = rejected.code
     name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
     if rejected.reason in STALE_REASONS:
-        return AfdStaleEpoch(name, rejected.message)
+        return AfdStaleEpoch(rejected.message, code=name)
     return AfdRejected(name, rejected.message)
 
 
