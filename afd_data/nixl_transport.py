@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from afd_ctl.routing import Role, peer_ranks
 from afd_data import notify
 from afd_data.blob import PeerBlob, decode_blob, encode_blob, shape_mismatches
 from afd_data.config import TransportConfig
@@ -81,7 +82,6 @@ from afd_data.memory import Array, make_memory
 from afd_data.nixl_loader import import_nixl
 from afd_data.notify import Kind
 from afd_data.poll import Backoff, tighten_timer_slack
-from afd_data.routing import Role, peer_ranks
 from afd_data.step_plan import PeerSlice, StepPlan, plan_step, validate_counts
 
 logger = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ import torch
 
 from afd_ctl.errors import AfdError, AfdNotReady, AfdTimeout
 from afd_ctl.payloads import make_payload
+from afd_ctl.routing import Role
 from afd_data.errors import AfdBadInput, AfdDataError
 from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
@@ -124,7 +125,7 @@ class AttentionSession:
         )
         spec = WorkerSpec(
             worker_id=self.worker_id,
-            role="ATTENTION",
+            role=Role.ATTENTION,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             tp_rank=self.tp_rank,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from afd_ctl import routing
 from afd_ctl.errors import (
     AfdControllerUnreachable,
     AfdNotReady,
@@ -33,6 +34,7 @@ from afd_ctl.errors import (
     AfdTimeout,
 )
 from afd_ctl.payloads import stage_counts
+from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
@@ -121,7 +123,7 @@ class FfnWorker:
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
             attention_tp_size=afd.attention_tp_size,
         )
-        spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
+        spec = WorkerSpec(self.worker_id, Role.FFN, dp_rank=afd.ffn_rank, dp_size=num_ffn)
         self._client = access.client(spec, self._exchange.blob())
         follow_losses(self._client, self._exchange.transport)
         self._loss_watch = StuckLossWatch(
@@ -130,7 +132,7 @@ class FfnWorker:
         if afd.profile_dir:
             from vllm_ext.attention_session import _StepProfiler
 
-            self._profiler = _StepProfiler(afd, "ffn")
+            self._profiler = _StepProfiler(afd, Role.FFN.label)
         try:
             registered = self._client.connect(timeout_s=afd.connect_timeout_s)
             log.info(
@@ -372,8 +374,7 @@ class FfnWorker:
 def expert_shard(ffn_rank: int, num_attention: int, num_ffn: int) -> tuple[int, int]:
     """(shard, shards) of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
     a % k == f % k with k = min(M, N); the FFN ranks of one group split the experts."""
-    k = min(num_attention, num_ffn)
-    group = [f for f in range(num_ffn) if f % k == ffn_rank % k]
+    group = routing.ffn_group(ffn_rank, num_attention, num_ffn)
     return group.index(ffn_rank), len(group)
 
 
@@ -388,7 +389,7 @@ def serve_ffn(args: argparse.Namespace) -> None:
     # As `vllm serve` creates it for the attention role: the same defaults on both sides.
     vllm_config = engine_args.create_engine_config(usage_context=seams.serve_usage_context())
     afd = from_vllm_config(vllm_config)
-    if afd is None or afd.role != "ffn":
+    if afd is None or afd.role is not Role.FFN:
         raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")
     sys.exit(run_worker(vllm_config, afd))
 
