@@ -1,6 +1,6 @@
-"""Kept only so that imports of ``afd_data.routing`` keep working while the transport split is
-in flight: roles and the routing rule live in ``afd_ctl.routing``, their one home. Import from
-there; this module goes once nothing imports it.
+"""A re-export, no logic: roles and the routing rule live in ``afd_ctl.routing``, their one
+home. Kept so that existing imports of ``afd_data.routing`` (the data-plane tests, the transport
+split in flight) keep working; new code imports ``afd_ctl.routing``.
 """
 
 from __future__ import annotations
