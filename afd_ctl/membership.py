@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from afd_ctl import routing
 from afd_ctl.errors import ControlError, invalid
+from afd_ctl.routing import Role
 
-ATTENTION = "ATTENTION"
-FFN = "FFN"
+ATTENTION = Role.ATTENTION
+FFN = Role.FFN
 ROLES = (ATTENTION, FFN)
 MAX_WORKER_ID_CHARS = 256
 
@@ -23,7 +24,8 @@ class WorkerSpec:
     """What a worker says about itself on registration."""
 
     worker_id: str
-    role: str
+    # A Role (or its name, "FFN"; validation refuses any other string).
+    role: Role | str
     dp_rank: int = 0
     dp_size: int = 1
     tp_rank: int = 0
@@ -134,8 +136,8 @@ class Membership:
     def subscribers_of(self, sender: Worker) -> list[Worker]:
         """FFN workers that receive the payloads `sender` publishes."""
         m, n = self.expected[ATTENTION], self.expected[FFN]
-        g = routing.group_count(m, n)
-        return [w for f in range(n) if f % g == sender.role_rank and (w := self.get(FFN, f))]
+        ranks = routing.subscriber_ranks(sender.role_rank, m, n)
+        return [w for f in ranks if (w := self.get(FFN, f))]
 
     # -- changes -------------------------------------------------------------------------
     def validate(self, spec: WorkerSpec) -> None:

@@ -18,7 +18,8 @@ from afd_ctl import payloads
 from afd_ctl.channel import DEFAULT_CONTROLLER
 from afd_ctl.client import ControllerClient
 from afd_ctl.errors import AfdError, AfdPeerLost, AfdStopped, AfdTimeout
-from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+from afd_ctl.membership import WorkerSpec
+from afd_ctl.routing import Role
 from afd_ctl.v1 import afd_pb2
 
 
@@ -111,7 +112,7 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--controller", default=DEFAULT_CONTROLLER)
-    parser.add_argument("--role", choices=["attention", "ffn"], required=True)
+    parser.add_argument("--role", choices=[r.label for r in Role], required=True)
     parser.add_argument("--worker-id", default="")
     parser.add_argument("--dp-rank", type=int, default=0)
     parser.add_argument("--dp-size", type=int, default=1)
@@ -131,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", default="")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    role = ATTENTION if args.role == "attention" else FFN
+    role = Role.parse(args.role)
     worker_id = args.worker_id or f"sim-{args.role}-{args.dp_rank}"
     spec = WorkerSpec(worker_id, role, dp_rank=args.dp_rank, dp_size=args.dp_size)
     client = ControllerClient(args.controller, spec, token=args.token)
     try:
         client.connect(args.timeout)
-        report = run_attention(client, args) if role == ATTENTION else run_ffn(client, args)
+        report = run_attention(client, args) if role is Role.ATTENTION else run_ffn(client, args)
     except AfdError as exc:
         print(json.dumps({"role": args.role, "error": f"{type(exc).__name__}: {exc}"}))
         return 1

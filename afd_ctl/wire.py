@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from afd_ctl.membership import ATTENTION, FFN
+from afd_ctl.routing import Role
 from afd_ctl.v1 import afd_pb2
 
-ROLE_TO_PROTO = {ATTENTION: afd_pb2.ATTENTION, FFN: afd_pb2.FFN}
+# The wire edge: afd.v1.Role numbers <-> Role.
+ROLE_TO_PROTO = {Role.ATTENTION: afd_pb2.ATTENTION, Role.FFN: afd_pb2.FFN}
 PROTO_TO_ROLE = {v: k for k, v in ROLE_TO_PROTO.items()}
 # Names the registered attention worker on a Publish stream.
 WORKER_ID_METADATA = "afd-worker-id"

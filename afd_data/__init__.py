@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from afd_ctl.routing import Role
 from afd_data.config import TransportConfig
 from afd_data.errors import (
     AfdBadInput,
@@ -16,7 +17,6 @@ from afd_data.errors import (
     AfdProtocolError,
     AfdStaleEpoch,
 )
-from afd_data.routing import Role
 from afd_data.step_plan import PeerSlice
 
 if TYPE_CHECKING:

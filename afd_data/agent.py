@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from afd_ctl.routing import Role
 from afd_data.blob import PeerBlob, encode_blob
 from afd_data.config import TransportConfig
 from afd_data.errors import AfdBadInput
 from afd_data.layout import BufferLayout
 from afd_data.memory import Array, make_memory
 from afd_data.nixl_loader import import_nixl
-from afd_data.routing import Role
 
 logger = logging.getLogger(__name__)
 

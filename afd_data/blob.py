@@ -11,8 +11,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from afd_ctl.routing import Role
 from afd_data.errors import AfdBadInput
-from afd_data.routing import Role
 from afd_data.v1 import blob_pb2
 
 BLOB_VERSION = 1
@@ -40,7 +40,7 @@ def encode_blob(blob: PeerBlob) -> bytes:
         version=BLOB_VERSION,
         agent_name=blob.agent_name,
         agent_metadata=blob.agent_metadata,
-        role=blob_pb2.Role.Name(int(blob.role)),
+        role=blob_pb2.Role.Name(Role.parse(blob.role).proto),
         role_rank=blob.role_rank,
         mem_type=blob.mem_type,
         recv_region=blob_pb2.MemoryRegion(
@@ -75,7 +75,7 @@ def decode_blob(data: bytes, what: str = "peer blob") -> PeerBlob:
         for name, ok in (
             ("agent_name", bool(msg.agent_name)),
             ("agent_metadata", bool(msg.agent_metadata)),
-            ("role", msg.role in (Role.ATTENTION, Role.FFN)),
+            ("role", msg.role in (Role.ATTENTION.proto, Role.FFN.proto)),
             ("mem_type", msg.mem_type in ("DRAM", "VRAM")),
             ("recv_region", msg.HasField("recv_region") and msg.recv_region.length > 0),
             ("shape", msg.HasField("shape")),
@@ -88,7 +88,7 @@ def decode_blob(data: bytes, what: str = "peer blob") -> PeerBlob:
     return PeerBlob(
         agent_name=msg.agent_name,
         agent_metadata=msg.agent_metadata,
-        role=Role(msg.role),
+        role=Role.from_proto(msg.role),
         role_rank=msg.role_rank,
         mem_type=msg.mem_type,
         recv_addr=msg.recv_region.addr,

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from afd_ctl.routing import Role
 from afd_data import credits, notify
 from afd_data.errors import AfdBadInput
 from afd_data.memory import Array
 from afd_data.nixl_transport import NixlTransport
 from afd_data.notify import Kind, Notice
-from afd_data.routing import Role
 from afd_data.step_plan import PeerSlice
 
 

@@ -1,42 +1,19 @@
 """Typed data-plane errors.
 
+`AfdPeerLost` and `AfdStaleEpoch` are the control plane's own classes (`afd_ctl.errors`), so one
+handler covers both planes; `AfdDataError` and `AfdProtocolError` live there too, for their
+bases.
+
 Every error says what went wrong and what the caller should do next, because the data plane
 runs inside serving workers where a vague failure turns into a hang or a silent corruption.
 """
 
 from __future__ import annotations
 
-from afd_ctl import errors as control_errors
+from afd_ctl.errors import AfdDataError, AfdPeerLost, AfdProtocolError, AfdStaleEpoch
 
-
-class AfdDataError(Exception):
-    """Base of every data-plane error."""
+__all__ = ["AfdBadInput", "AfdDataError", "AfdPeerLost", "AfdProtocolError", "AfdStaleEpoch"]
 
 
 class AfdBadInput(AfdDataError, ValueError):
     """The caller passed something the transport cannot honour; nothing was sent or changed."""
-
-
-class AfdPeerLost(AfdDataError, control_errors.AfdPeerLost):
-    """A peer died, disconnected, or missed its bound; the transport is unusable until
-    ``reconnect()`` with the control plane's new epoch.
-
-    The message always starts with ``afd peer lost:`` so that logs can be grepped for it. It
-    is also an ``afd_ctl.errors.AfdPeerLost``, so one handler covers both planes.
-    """
-
-    def __init__(self, detail: str, *, peer: str | None = None, epoch: int | None = None):
-        control_errors.AfdPeerLost.__init__(self, f"afd peer lost: {detail}", epoch=epoch)
-        self.peer = peer
-
-
-class AfdProtocolError(AfdDataError):
-    """A peer sent something this transport did not expect (a notification for an unknown
-    step, layer or source, a malformed message, a row count that disagrees with the payload).
-
-    The offending message was dropped; the transport itself stays usable.
-    """
-
-
-class AfdStaleEpoch(AfdProtocolError):
-    """A message or payload names an older membership epoch than the transport's."""

@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from afd_ctl.routing import Role
 from afd_data import notify
 from afd_data.errors import AfdProtocolError, AfdStaleEpoch
 from afd_data.notify import Kind, Notice
-from afd_data.routing import Role
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
+from afd_ctl.routing import Role, max_peers
 from afd_data.config import TransportConfig
-from afd_data.routing import Role, max_peers
 
 _ALIGN = 256  # byte alignment of every region (GPU-friendly, and a row never straddles two)
 

@@ -52,6 +52,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from afd_ctl.routing import Role, peer_ranks
 from afd_data import credits
 from afd_data.agent import NIXL_ERRORS, LocalAgent
 from afd_data.config import TransportConfig
@@ -64,7 +65,6 @@ from afd_data.notify import Kind, Notice
 from afd_data.peers import PeerSet, PeerSpec, validate_peers
 from afd_data.poll import tighten_timer_slack
 from afd_data.poller import Poller
-from afd_data.routing import Role, peer_ranks
 from afd_data.step_plan import StepPlan, plan_step, validate_counts
 from afd_data.write_queue import WriteQueue
 

@@ -14,12 +14,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from afd_ctl.routing import Role, peer_ranks
 from afd_data.agent import NIXL_ERRORS
 from afd_data.blob import PeerBlob, decode_blob, shape_mismatches
 from afd_data.config import TransportConfig
 from afd_data.errors import AfdBadInput
 from afd_data.layout import BufferLayout, RowTable
-from afd_data.routing import Role, peer_ranks
 
 logger = logging.getLogger(__name__)
 

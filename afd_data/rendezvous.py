@@ -20,8 +20,8 @@ import time
 from typing import TYPE_CHECKING
 
 from afd_ctl.client import ControllerClient
+from afd_ctl.routing import Role
 from afd_ctl.v1 import afd_pb2
-from afd_data.routing import Role
 
 if TYPE_CHECKING:
     from afd_data.nixl_transport import NixlTransport, PeerSpec
@@ -34,7 +34,9 @@ def peers_from_view(view: afd_pb2.View) -> list[PeerSpec]:
     from afd_data.nixl_transport import PeerSpec
 
     return [
-        PeerSpec(Role(p.worker.role), p.worker.role_rank, p.worker.dp_rank, p.data_plane_blob)
+        PeerSpec(
+            Role.from_proto(p.worker.role), p.worker.role_rank, p.worker.dp_rank, p.data_plane_blob
+        )
         for p in view.peers
     ]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from afd_ctl.routing import Role, peer_ranks
 from afd_data.config import TransportConfig
 from afd_data.errors import AfdBadInput
-from afd_data.routing import Role, peer_ranks
 
 
 @dataclasses.dataclass(frozen=True)

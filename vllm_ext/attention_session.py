@@ -23,12 +23,14 @@ import torch
 
 from afd_ctl.errors import AfdError, AfdNotReady, AfdTimeout
 from afd_ctl.payloads import make_payload
+from afd_ctl.routing import Role
 from afd_data.errors import AfdBadInput, AfdDataError
 from vllm_ext import model_split
 from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
-from vllm_ext.exchange import AttentionExchange, StepShape, expected_counts
+from vllm_ext.exchange import AttentionExchange, StepShape
 from vllm_ext.metrics import AttentionMetrics, worker_files
+from vllm_ext.peer_link import PeerLink, expected_counts
 from vllm_ext.step_failures import AfdStepFailed
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class AttentionSession:
         self._num_tokens = 0
         self._layers_done = 0
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
-        self._client: Any = None
+        self._link: PeerLink | None = None
+        self._client: Any = None  # self._link.client
         self._exchange: AttentionExchange | None = None
         self._is_sender = False
         self._lock = threading.Lock()
@@ -93,7 +96,6 @@ class AttentionSession:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         from afd_ctl.client import WorkerSpec
-        from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
         # An engine that ends without shutting its workers down (vLLM 0.26's in-process LLM
@@ -124,18 +126,15 @@ class AttentionSession:
         )
         spec = WorkerSpec(
             worker_id=self.worker_id,
-            role="ATTENTION",
+            role=Role.ATTENTION,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
         )
-        self._client = access.client(spec, self._exchange.blob())
-        follow_losses(self._client, self._exchange.transport)
-        self._loss_watch = StuckLossWatch(
-            self._client, self._exchange.transport, f"attention rank {self.role_rank}"
-        )
-        registered = self._client.connect(timeout_s=afd.connect_timeout_s)
+        self._link = PeerLink(access, spec, self._exchange, f"attention rank {self.role_rank}")
+        self._client, self._loss_watch = self._link.client, self._link.loss_watch
+        registered = self._link.register(timeout_s=afd.connect_timeout_s)
         view = self._client.wait_complete(timeout_s=afd.connect_timeout_s)
         self._is_sender = registered.is_sender
         if registered.worker.role_rank != self.role_rank:
@@ -143,7 +142,7 @@ class AttentionSession:
                 f"afd-ctl assigned attention rank {registered.worker.role_rank}, the data plane "
                 f"was built for rank {self.role_rank}"
             )
-        self._exchange.connect(view)
+        self._link.connect(view)
         self._metrics = AttentionMetrics(worker_files())
         self._exchange.metrics = self._metrics
         self._metrics.connected(view.epoch, reconnect=False)
@@ -285,17 +284,14 @@ class AttentionSession:
         `rejoin_after_s` (afd_data.rendezvous.StuckLossWatch)."""
         assert self._exchange is not None and self._client is not None
         assert self._loss_watch is not None
+        assert self._link is not None
         transport = self._exchange.transport
-        view = self._client.view
-        if transport.lost is None and view.complete and view.epoch == transport.epoch:
+        if self._link.in_step():
             self._loss_watch.reset()
             return
         only_here = self._loss_watch.check()
         try:
-            view = self._client.wait_complete(
-                timeout_s=min(RECONNECT_WAIT_S, self.afd.step_timeout_s),
-                after_epoch=transport.epoch or 0,
-            )
+            view = self._link.wait_newer(timeout_s=min(RECONNECT_WAIT_S, self.afd.step_timeout_s))
         except AfdTimeout:
             if self._loss_watch.controller_lost:
                 raise AfdNotReady(
@@ -315,9 +311,8 @@ class AttentionSession:
                 "has not seen the FFN servers come back. Start them again; /health is 503 "
                 "until then"
             ) from None
-        self._loss_watch.reset()
         self._client.discard_rejections()  # refusals of payloads from before the reconnect
-        self._exchange.connect(view)
+        self._link.connect(view)
         self._metrics.connected(view.epoch, reconnect=True)
         log.warning(
             "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",

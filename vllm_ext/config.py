@@ -10,8 +10,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from afd_ctl.config import parse_setting
+from afd_ctl.routing import Role
 
-ROLES = ("attention", "ffn")
+ROLES = tuple(role.label for role in Role)  # as --afd-role spells them
 GATE_SIDES = ("ffn", "attention")
 ENV_PREFIX = "AFD_"
 # Keys accepted under additional_config["afd"]; each is also AFD_<KEY> in the environment.
@@ -22,7 +23,8 @@ class AfdConfig:
     """What a worker needs to take part in AFD. Times are bounds: nothing waits forever."""
 
     controller: str
-    role: str
+    # "attention" or "ffn" (any case) in; a Role once constructed.
+    role: Role
     # Stable identity for afd-ctl; default "<role>-dp<rank>" (attention) or "ffn-<pid>".
     worker_id: str = ""
     # Bound on registering and (attention role) on waiting for the expected set at start-up;
@@ -68,8 +70,10 @@ class AfdConfig:
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"afd role must be one of {ROLES}, got {self.role!r}")
+        try:
+            object.__setattr__(self, "role", Role.parse(self.role))
+        except ValueError:
+            raise ValueError(f"afd role must be one of {ROLES}, got {self.role!r}") from None
         if not self.controller or ":" not in self.controller:
             raise ValueError(
                 f"afd controller must be HOST:PORT of `afd-ctl serve`, got {self.controller!r}"
@@ -96,7 +100,8 @@ class AfdConfig:
             raise ValueError(f"afd metrics_port must be in 0..65535, got {self.metrics_port}")
 
     def describe(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        values = dataclasses.asdict(self) | {"role": self.role.label}
+        return " ".join(f"{k}={v}" for k, v in values.items())
 
     @classmethod
     def resolve(

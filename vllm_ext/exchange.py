@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from afd_ctl.routing import Role
+
 if TYPE_CHECKING:
     from vllm_ext.control import ControlAccess
     from vllm_ext.metrics import AttentionMetrics
@@ -97,7 +99,7 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
     return counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
 
 
-def _transport(name: str, role: str, rank: int, *, num_attention: int, num_ffn: int,
+def _transport(name: str, role: Role, rank: int, *, num_attention: int, num_ffn: int,
                hidden_size: int, dtype: torch.dtype, max_tokens: int, timeout_s: float,
                router: tuple[int, str], attention_tp_size: int = 1) -> Any:  # fmt: skip
     from afd_data import NixlTransport, TransportConfig
@@ -142,7 +144,7 @@ def _tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
 class _Exchange:
     """What both roles do with their transport: build it, rendezvous, size steps, close."""
 
-    ROLE = ""
+    ROLE: Role
 
     def __init__(
         self,
@@ -195,7 +197,7 @@ class _Exchange:
 
 
 class AttentionExchange(_Exchange):
-    ROLE = "attention"
+    ROLE = Role.ATTENTION
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -252,7 +254,7 @@ class AttentionExchange(_Exchange):
 
 
 class FfnExchange(_Exchange):
-    ROLE = "ffn"
+    ROLE = Role.FFN
 
     def recv(self, layer: int, stage: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every peer's rows, concatenated, and their router logits (gate on the attention

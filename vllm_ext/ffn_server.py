@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from afd_ctl import routing
 from afd_ctl.errors import (
     AfdControllerUnreachable,
     AfdNotReady,
@@ -33,12 +34,14 @@ from afd_ctl.errors import (
     AfdTimeout,
 )
 from afd_ctl.payloads import stage_counts
+from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.control import ControlAccess
-from vllm_ext.exchange import FfnExchange, StepShape, expected_counts
+from vllm_ext.exchange import FfnExchange, StepShape
 from vllm_ext.ffn_graphs import FfnGraphRunner
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
+from vllm_ext.peer_link import PeerLink, expected_counts
 
 log = logging.getLogger("vllm_ext.ffn_server")
 
@@ -77,7 +80,8 @@ class FfnWorker:
         self._stop = threading.Event()
         # Told to afd-ctl when this server leaves (its peers' PEER_LOST says "left: ...").
         self._leave_reason = "ffn server exiting"
-        self._client: Any = None
+        self._link: PeerLink | None = None
+        self._client: Any = None  # self._link.client
         self._exchange: FfnExchange | None = None
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
@@ -93,7 +97,6 @@ class FfnWorker:
 
     def run(self) -> int:
         from afd_ctl.client import WorkerSpec
-        from afd_data.rendezvous import StuckLossWatch, follow_losses
 
         afd = self.afd
         hf = self.vllm_config.model_config.hf_config
@@ -121,18 +124,15 @@ class FfnWorker:
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
             attention_tp_size=afd.attention_tp_size,
         )
-        spec = WorkerSpec(self.worker_id, "FFN", dp_rank=afd.ffn_rank, dp_size=num_ffn)
-        self._client = access.client(spec, self._exchange.blob())
-        follow_losses(self._client, self._exchange.transport)
-        self._loss_watch = StuckLossWatch(
-            self._client, self._exchange.transport, f"ffn rank {afd.ffn_rank}"
-        )
+        spec = WorkerSpec(self.worker_id, Role.FFN, dp_rank=afd.ffn_rank, dp_size=num_ffn)
+        self._link = PeerLink(access, spec, self._exchange, f"ffn rank {afd.ffn_rank}")
+        self._client, self._loss_watch = self._link.client, self._link.loss_watch
         if afd.profile_dir:
             from vllm_ext.attention_session import _StepProfiler
 
-            self._profiler = _StepProfiler(afd, "ffn")
+            self._profiler = _StepProfiler(afd, Role.FFN.label)
         try:
-            registered = self._client.connect(timeout_s=afd.connect_timeout_s)
+            registered = self._link.register(timeout_s=afd.connect_timeout_s)
             log.info(
                 "afd ffn %s: registered as ffn rank %d (expert shard %d of %d); "
                 "waiting for the expected set",
@@ -221,10 +221,9 @@ class FfnWorker:
             return False
         # The view that made the attention side publish in this epoch came before its payload
         # on the same session stream, so it is already here.
+        assert self._link is not None
         try:
-            view = self._client.wait_complete(
-                timeout_s=self.afd.step_timeout_s, after_epoch=current
-            )
+            view = self._link.wait_newer(timeout_s=self.afd.step_timeout_s, after_epoch=current)
         except AfdTimeout as exc:
             log.warning(
                 "afd ffn %s: dropped step %d of epoch %d: %s",
@@ -263,12 +262,12 @@ class FfnWorker:
         same epoch), it rejoins afd-ctl after `rejoin_after_s` (StuckLossWatch): the new epoch
         makes every peer drop the stuck step and reconnect, instead of all waiting for each
         other."""
-        assert self._client is not None and self._loss_watch is not None
+        assert self._link is not None and self._loss_watch is not None
         started = time.monotonic()
         next_log = started + WAIT_LOG_S
         while not self._stop.is_set():
             try:
-                view = self._client.wait_complete(timeout_s=IDLE_POLL_S, after_epoch=after_epoch)
+                view = self._link.wait_newer(timeout_s=IDLE_POLL_S, after_epoch=after_epoch)
                 self._loss_watch.reset()
                 return view
             except AfdTimeout as exc:
@@ -314,9 +313,8 @@ class FfnWorker:
     def _connect(self, view: Any) -> None:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
-        assert self._exchange is not None and self._loss_watch is not None
-        self._exchange.connect(view)
-        self._loss_watch.reset()
+        assert self._link is not None
+        self._link.connect(view)
         self._metrics.connected(view.epoch, reconnect=self._connects > 0)
         self._connects += 1
         self._said_unreachable = False
@@ -372,8 +370,7 @@ class FfnWorker:
 def expert_shard(ffn_rank: int, num_attention: int, num_ffn: int) -> tuple[int, int]:
     """(shard, shards) of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
     a % k == f % k with k = min(M, N); the FFN ranks of one group split the experts."""
-    k = min(num_attention, num_ffn)
-    group = [f for f in range(num_ffn) if f % k == ffn_rank % k]
+    group = routing.ffn_group(ffn_rank, num_attention, num_ffn)
     return group.index(ffn_rank), len(group)
 
 
@@ -388,7 +385,7 @@ def serve_ffn(args: argparse.Namespace) -> None:
     # As `vllm serve` creates it for the attention role: the same defaults on both sides.
     vllm_config = engine_args.create_engine_config(usage_context=seams.serve_usage_context())
     afd = from_vllm_config(vllm_config)
-    if afd is None or afd.role != "ffn":
+    if afd is None or afd.role is not Role.FFN:
         raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")
     sys.exit(run_worker(vllm_config, afd))
 

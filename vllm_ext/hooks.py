@@ -22,8 +22,9 @@ import logging
 import sys
 from typing import Any
 
+from afd_ctl.routing import Role
 from vllm_ext import compat
-from vllm_ext.config import AfdConfig, afd_section
+from vllm_ext.config import ROLES, AfdConfig, afd_section
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def add_afd_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--afd-role",
         default=None,
-        choices=("attention", "ffn"),
+        choices=ROLES,
         help="attention: a normal server whose MLP/MoE runs remotely; ffn: runs them",
     )
     group.add_argument(
@@ -147,14 +148,14 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
         if afd is None:
             return original(self, *args, **kwargs)
         compat.check_supported()
-        if afd.role == "attention" and self.worker_cls == "auto":
+        if afd.role is Role.ATTENTION and self.worker_cls == "auto":
             self.worker_cls = ATTENTION_WORKER_CLS
-        if afd.role == "attention":
+        if afd.role is Role.ATTENTION:
             pinned = compat.seams().pin_v1_model_runner()
             if pinned:
                 log.info("afd attention: %s", pinned)
             _piecewise_graphs_only(self)
-        if afd.role == "attention" and not self.shutdown_timeout:
+        if afd.role is Role.ATTENTION and not self.shutdown_timeout:
             # With vLLM's default (0: abort) the API server kills the engine core at once on
             # SIGTERM, before its workers can publish `stop`; a short drain lets them, so the
             # FFN servers exit cleanly instead of waiting for a replacement.
@@ -165,7 +166,7 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
             )
         config = original(self, *args, **kwargs)
         validate(config, afd)
-        if afd.role == "attention":
+        if afd.role is Role.ATTENTION:
             _exchange_between_graph_pieces(config)
             _wrap_api_server(afd)
         return config
@@ -248,9 +249,9 @@ def validate(vllm_config: Any, afd: AfdConfig) -> None:
             "AFD does not support vLLM's micro-batching yet (--enable-dbo / --ubatch-size > 1): "
             "its two stages would need one AFD payload with two stages per step"
         )
-    if afd.role == "ffn" and parallel.data_parallel_size != 1:
+    if afd.role is Role.FFN and parallel.data_parallel_size != 1:
         raise ValueError("an AFD FFN server runs one rank: start one server per FFN rank")
-    if afd.role == "attention" and parallel.worker_cls != ATTENTION_WORKER_CLS:
+    if afd.role is Role.ATTENTION and parallel.worker_cls != ATTENTION_WORKER_CLS:
         log.warning(
             "AFD attention role with --worker-cls %s: that class must subclass %s",
             parallel.worker_cls,
@@ -266,7 +267,7 @@ def serve_cmd(args: argparse.Namespace) -> None:
     Module-level (not a closure) because `vllm serve` pickles its args, this included."""
     merged = merge_afd_flags(getattr(args, "additional_config", None), args)
     afd = AfdConfig.resolve(afd_section(merged))
-    if afd is None or afd.role != "ffn":
+    if afd is None or afd.role is not Role.FFN:
         # Folded into args here too: `vllm serve` hands these args to its API server processes
         # (one per DP rank by default), which load the plugin only inside from_cli_args, too
         # late for its wrapper, and must still see the afd section (/health, error replies).
@@ -329,7 +330,7 @@ def _ask_workers_to_stop(engine_core: Any) -> None:
     try:
         afd = AfdConfig.resolve(afd_section(engine_core.vllm_config.additional_config))
         executor = getattr(engine_core, "model_executor", None)
-        if afd is not None and afd.role == "attention" and executor is not None:
+        if afd is not None and afd.role is Role.ATTENTION and executor is not None:
             executor.collective_rpc(_afd_stop_worker, timeout=10)
     except Exception as exc:  # shutting down: report, never block the teardown
         log.warning("afd: could not ask the attention workers to send stop: %s", exc)

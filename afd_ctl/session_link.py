@@ -1,0 +1,236 @@
+"""The worker's Session stream to afd-ctl: register, heartbeats, reconnect with backoff.
+
+One background thread holds the stream. When the daemon goes away it reconnects with jittered
+backoff and registers again under the same identity; a watchdog cancels a stream the daemon
+stopped answering on. Messages go to `on_message`; the state they change lives in the
+`MembershipView`, whose lock this link shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from afd_ctl.errors import AfdControllerUnreachable, AfdRejected
+from afd_ctl.membership_view import MembershipView
+from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Registration refusals that retrying cannot fix.
+PERMANENT_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+# close(reason=...) and rejoin() wait this long for the daemon to take the `leave`.
+LEAVE_WAIT_S = 1.0
+UnreachableListener = Callable[[AfdControllerUnreachable], None]
+
+
+class SessionLink:
+    """The Session stream of one worker, kept up until `close()` or a stop."""
+
+    def __init__(
+        self,
+        stub: afd_pb2_grpc.AFDControllerStub,
+        metadata: tuple[tuple[str, str], ...],
+        register: afd_pb2.RegisterRequest,
+        view: MembershipView,
+        on_message: Callable[[afd_pb2.SessionMessage], None],
+        liveness_timeout_s: float,
+    ) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._register = register
+        self._view = view
+        self._cond = view.cond
+        self._on_message = on_message
+        self.liveness_timeout_s = liveness_timeout_s
+        self._beat_s = liveness_timeout_s / 4
+        self._unreachable_listeners: list[UnreachableListener] = []
+        self._thread: threading.Thread | None = None
+        # Guarded by the view's lock:
+        self._call: grpc.Call | None = None
+        self._hung_up: threading.Event | None = None
+        self._ended: threading.Event | None = None
+        self._leave_reason = ""
+        self._rejoining = ""
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"afd-session-{self._register.worker_id}", daemon=True
+            )
+            self._thread.start()
+
+    def add_unreachable_listener(self, listener: UnreachableListener) -> None:
+        self._unreachable_listeners.append(listener)
+
+    # -- the session thread --------------------------------------------------------------
+    def _run(self) -> None:
+        view = self._view
+        backoff = BACKOFF_MIN_S
+        while True:
+            hung_up, ended = threading.Event(), threading.Event()
+            with self._cond:
+                if view.closing or view.stopped is not None:
+                    return
+                requests = _session_requests(
+                    self._register,
+                    hung_up,
+                    self._beat_s,
+                    lambda: self._leave_reason or self._rejoining,
+                )
+                call = self._stub.Session(requests, metadata=self._metadata)
+                call.add_done_callback(lambda _call, done=ended: done.set())  # type: ignore[attr-defined]
+                self._call, self._hung_up, self._ended = call, hung_up, ended
+            watchdog = _Watchdog(call, self.liveness_timeout_s)
+            registered_here = False
+            error: grpc.RpcError | None = None
+            try:
+                for message in call:
+                    watchdog.heard()
+                    registered_here = True
+                    backoff = BACKOFF_MIN_S
+                    self._on_message(message)
+            except grpc.RpcError as exc:
+                error = exc
+            finally:
+                hung_up.set()
+                watchdog.stop()
+            with self._cond:
+                if view.closing or view.stopped is not None:
+                    return
+                if self._rejoining:
+                    log.info("re-registering with afd-ctl (%s)", self._rejoining)
+                    self._rejoining = ""
+                    backoff = BACKOFF_MIN_S
+                    continue
+                code = error.code() if error is not None else grpc.StatusCode.OK
+                details = error.details() if error is not None else "stream ended"
+                if watchdog.fired:
+                    details = f"nothing heard for {self.liveness_timeout_s} s"
+                if not registered_here and code in PERMANENT_CODES:
+                    log.error("afd-ctl refused registration: %s: %s", code.name, details)
+                    view.on_fatal(AfdRejected(code.name, details or ""))
+                    return
+                if registered_here or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK):
+                    what = "unreachable"
+                else:
+                    what = "did not accept the registration"
+                unreachable = AfdControllerUnreachable(
+                    f"afd-ctl at {view.target} {what} ({code.name}: {details}); "
+                    "retrying in the background"
+                )
+                view.on_unreachable(unreachable, was_registered=registered_here)
+                if registered_here:
+                    log.warning("%s", unreachable)
+                    for listener in self._unreachable_listeners:
+                        try:
+                            listener(unreachable)
+                        except Exception:  # a listener's bug must not kill the session thread
+                            log.exception("unreachable listener failed")
+                delay = backoff * (1 + random.random() / 2)
+                # At most a quarter of the liveness bound apart: a restarted daemon sees its
+                # workers again well within the bound it declares them lost in.
+                backoff = min(backoff * 2, BACKOFF_MAX_S, self.liveness_timeout_s / 4)
+                self._cond.wait(delay)  # close() wakes it
+
+    # -- ending the session --------------------------------------------------------------
+    def hang_up(self) -> None:
+        """Cancels the current stream at once (after the daemon's STOP)."""
+        with self._cond:
+            call = self._call
+        if call is not None:
+            call.cancel()  # type: ignore[attr-defined]
+
+    def rejoin(self, reason: str, timeout_s: float = LEAVE_WAIT_S) -> None:
+        """Leaves saying why; the session thread then registers again at once."""
+        with self._cond:
+            call, hung_up, ended = self._call, self._hung_up, self._ended
+            if call is None or hung_up is None or ended is None:
+                return  # no session to leave (the link re-registers by itself anyway)
+            if self._view.closing or self._view.unreachable or ended.is_set():
+                return
+            self._rejoining = f"rejoining: {reason}"
+        log.warning("leaving afd-ctl to rejoin in a new epoch: %s", reason)
+        hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
+        ended.wait(timeout_s)
+        call.cancel()  # type: ignore[attr-defined]
+
+    def begin_close(self, reason: str) -> None:
+        """Marks the link closing: no reconnect from now on, and `reason` goes in the leave."""
+        with self._cond:
+            self._view.closing = True
+            self._leave_reason = reason
+            self._cond.notify_all()
+
+    def close(self, timeout_s: float) -> None:
+        """Ends the session (after `begin_close`); with a reason the daemon is told why
+        first, waiting at most LEAVE_WAIT_S for it to take the leave."""
+        with self._cond:
+            reason = self._leave_reason
+            call, hung_up, ended = self._call, self._hung_up, self._ended
+        if call is not None and reason and hung_up is not None and ended is not None:
+            if not ended.is_set():
+                hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
+                ended.wait(min(timeout_s, LEAVE_WAIT_S))
+        if call is not None:
+            call.cancel()  # type: ignore[attr-defined]
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def _session_requests(
+    register: afd_pb2.RegisterRequest,
+    hung_up: threading.Event,
+    beat_s: float,
+    leaving: Callable[[], str],
+) -> Iterator[afd_pb2.SessionRequest]:
+    """register, heartbeats until hung up, and `leave` (then half-close) once the worker
+    closes with a reason."""
+    yield afd_pb2.SessionRequest(register=register)
+    heartbeat = afd_pb2.SessionRequest(heartbeat=afd_pb2.Heartbeat())
+    while True:
+        hung = hung_up.wait(beat_s)
+        reason = leaving()
+        if reason:
+            yield afd_pb2.SessionRequest(leave=afd_pb2.Leave(reason=reason))
+            return
+        if hung:
+            return
+        yield heartbeat
+
+
+class _Watchdog:
+    """Cancels a session call when the daemon has said nothing for the liveness timeout."""
+
+    def __init__(self, call: grpc.Call, liveness_timeout_s: float) -> None:
+        self._call = call
+        self._timeout_s = liveness_timeout_s
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self.fired = False
+        threading.Thread(target=self._run, name="afd-session-watchdog", daemon=True).start()
+
+    def heard(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._timeout_s / 4):
+            if time.monotonic() - self._last > self._timeout_s:
+                self.fired = True
+                self._call.cancel()  # type: ignore[attr-defined]
+                return

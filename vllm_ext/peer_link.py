@@ -1,0 +1,65 @@
+"""How one vLLM worker (an attention rank or an FFN server) links up with its peers, the same
+way on both sides: ask afd-ctl how many ranks of each role it expects (`expected_counts`, which
+sizes the data plane), register, and (re)connect the data plane to each newer complete view.
+
+Each side still decides *when* to reconnect (the attention side before a step, the FFN server
+when a payload or a loss says so); this module is the *how* that both share.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_ext.exchange import expected_counts
+
+if TYPE_CHECKING:
+    from afd_ctl.client import ControllerClient, WorkerSpec
+    from afd_ctl.v1 import afd_pb2
+    from afd_data.rendezvous import StuckLossWatch
+    from vllm_ext.control import ControlAccess
+    from vllm_ext.exchange import _Exchange
+
+__all__ = ["PeerLink", "expected_counts"]
+
+
+class PeerLink:
+    """One worker's afd-ctl session wired to its data plane: every loss afd-ctl reports (or the
+    loss of afd-ctl itself) interrupts the transport's waits, and a loss only the data plane
+    saw makes the worker rejoin in a new epoch once it has lasted (StuckLossWatch)."""
+
+    def __init__(
+        self, access: ControlAccess, spec: WorkerSpec, exchange: _Exchange, who: str
+    ) -> None:
+        from afd_data.rendezvous import StuckLossWatch, follow_losses
+
+        self.exchange = exchange
+        self.client: ControllerClient = access.client(spec, exchange.blob())
+        follow_losses(self.client, exchange.transport)
+        self.loss_watch: StuckLossWatch = StuckLossWatch(self.client, exchange.transport, who)
+
+    def register(self, timeout_s: float) -> afd_pb2.Registered:
+        """Registers with afd-ctl (retrying while it is unreachable), bounded."""
+        return self.client.connect(timeout_s=timeout_s)
+
+    @property
+    def transport_epoch(self) -> int:
+        return self.exchange.transport.epoch or 0
+
+    def in_step(self) -> bool:
+        """The data plane is whole and at afd-ctl's current complete epoch."""
+        transport, view = self.exchange.transport, self.client.view
+        return transport.lost is None and view.complete and view.epoch == transport.epoch
+
+    def wait_newer(self, timeout_s: float, after_epoch: int | None = None) -> afd_pb2.View:
+        """The next complete view newer than `after_epoch` (default: the data plane's)."""
+        after = self.transport_epoch if after_epoch is None else after_epoch
+        return self.client.wait_complete(timeout_s=timeout_s, after_epoch=after)
+
+    def connect(self, view: Any) -> None:
+        """Connects the data plane to `view`'s peers; a later loss starts its own clock."""
+        self.exchange.connect(view)
+        self.loss_watch.reset()
+
+    def close(self, reason: str) -> None:
+        """Leaves afd-ctl saying why (every peer's PEER_LOST says "left: <reason>")."""
+        self.client.close(reason=reason)
