@@ -21,6 +21,11 @@ LINE = "0.26"
 SIGNATURES = [
     *_SHARED_SIGNATURES,
     ("vllm.entrypoints.openai.engine.protocol", "GenerationError.__init__", ("message",)),
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "ReplicatedLinear.__init__",
+        ("input_size", "output_size", "bias", "quant_config", "prefix"),
+    ),
 ]
 
 
@@ -40,3 +45,18 @@ def request_failed_error(message: str) -> Exception:
     error = GenerationError(message)
     error.status_code = HTTPStatus.SERVICE_UNAVAILABLE
     return error
+
+
+def qwen3_moe_gate(config: Any, quant_config: Any, prefix: str) -> Any:
+    """The router gate Qwen3MoeSparseMoeBlock builds on 0.26: a ReplicatedLinear."""
+    from vllm.model_executor.models.qwen3_moe import ReplicatedLinear
+
+    return ReplicatedLinear(
+        config.hidden_size, config.num_experts, bias=False, quant_config=quant_config, prefix=prefix
+    )
+
+
+def tie_lm_head(lm_head: Any, embed_tokens: Any) -> Any:
+    """What Qwen3MoeForCausalLM does with tie_word_embeddings on 0.26."""
+    lm_head.weight = embed_tokens.weight
+    return lm_head
