@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_ext import compat
+from vllm_ext import compat, model_split
 from vllm_ext.attention_session import AttentionSession, StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
@@ -46,6 +46,13 @@ class AfdAttentionRunnerMixin:
             raise RuntimeError("AfdAttentionWorker without an afd section in additional_config")
         with attention_split(self.vllm_config, gate_here=afd.gate == "attention"):  # type: ignore[attr-defined]
             super().load_model(*args, **kwargs)  # type: ignore[misc]
+        built = self.get_model()  # type: ignore[attr-defined]
+        if not model_split.proxies(built):
+            raise RuntimeError(
+                f"afd attention: vLLM built {type(built).__name__} with no AFD proxy, so "
+                "it would run every FFN here; its family module (vllm_ext/families) must "
+                "split it: see vllm_ext/README.md, 'Adding a model family'"
+            )
         session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
         session.start()
         self._afd_session = session

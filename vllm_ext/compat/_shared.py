@@ -58,6 +58,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         ("self", "num_tokens", "is_profile", "is_graph_capturing"),
     ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model", ("self",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", ("self",)),
     ("vllm.model_executor.models.deepseek_v2", "DeepseekV2DecoderLayer.__init__", ("self",)),
     (
         "vllm.model_executor.models.deepseek_v2",
@@ -82,11 +83,9 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         ("input_size", "output_size", "out_dtype", "prefix"),
     ),
     ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeForCausalLM.load_weights", ("self",)),
-    (
-        "vllm.model_executor.models.qwen3_moe",
-        "Qwen3MoeModel.__init__",
-        ("vllm_config", "prefix", "decoder_layer_type"),
-    ),
+    # @support_torch_compile hides the model's own __init__ behind (*args, vllm_config, prefix,
+    # **kwargs): `decoder_layer_type` (vLLM's own parameter) is proven by the Qwen3-MoE AFD tests.
+    ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeModel.__init__", ("vllm_config", "prefix")),
     ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeModel.load_weights", ("self", "weights")),
     ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeModel.hf_to_vllm_mapper", ()),
     (
