@@ -216,7 +216,9 @@ def load_ffn_stack(vllm_config: Any) -> FfnStack:
         loader.load_weights(stack, model_config)
         return stack
     expected = {n for n, _ in stack.named_parameters()}
-    loaded = stack.load_weights(loader.get_all_weights(model_config, stack))
+    loaded = seams.loaded_parameter_names(
+        stack.load_weights(loader.get_all_weights(model_config, stack))
+    )
     missing = expected - loaded
     if missing:
         raise ValueError(

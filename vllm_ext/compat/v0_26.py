@@ -60,3 +60,13 @@ def tie_lm_head(lm_head: Any, embed_tokens: Any) -> Any:
     """What Qwen3MoeForCausalLM does with tie_word_embeddings on 0.26."""
     lm_head.weight = embed_tokens.weight
     return lm_head
+
+
+def loaded_parameter_names(loaded: set[str]) -> set[str]:
+    """The parameter names a model-level load_weights loaded. 0.26's MoERunner.load_weights
+    (vllm/model_executor/layers/fused_moe/runner/moe_runner.py) reports its experts' tensors
+    without the `routed_experts.` that is in their parameter names (vLLM's own loader counts
+    them as loaded through their quant method instead): both spellings count."""
+    return loaded | {
+        n.replace(".experts.", ".experts.routed_experts.", 1) for n in loaded if ".experts." in n
+    }

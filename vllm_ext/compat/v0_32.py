@@ -52,3 +52,8 @@ def qwen3_moe_gate(config: Any, quant_config: Any, prefix: str) -> Any:
 def tie_lm_head(lm_head: Any, embed_tokens: Any) -> Any:
     """What Qwen3MoeForCausalLM does with tie_word_embeddings on 0.32."""
     return lm_head.tie_weights(embed_tokens)
+
+
+def loaded_parameter_names(loaded: set[str]) -> set[str]:
+    """The parameter names a model-level load_weights loaded: as reported on 0.32."""
+    return loaded
