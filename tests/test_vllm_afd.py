@@ -1,8 +1,9 @@
 """AFD with a real vLLM on CPU: a real afd-ctl daemon, a real FFN server (`vllm serve --afd-role
 ffn`), real NIXL agents, and the attention side as vLLM's in-process LLM() in its own process.
 
-Every AFD run is compared with vLLM's own colocated run of the same tiny DeepSeek weights,
-same dtype, same threads: greedy tokens must be identical and log-probs within 1e-4.
+Every AFD run is compared with vLLM's own colocated run of the same tiny model's weights
+(DeepSeek-V2, -V3, Qwen3-MoE), same dtype, same threads: greedy tokens must be identical and
+log-probs within 1e-4.
 """
 
 from __future__ import annotations
@@ -24,18 +25,27 @@ LOGPROB_TOL = 1e-4
 MAX_TOKENS = 16
 
 
+# A tiny model per family: DeepSeek-V2 (2), -V3 (3), Qwen3-MoE ("qwen3").
+Version = int | str
+
+
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[Version, Path]:
     from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("models")
-    return {v: build_tiny_deepseek(root / f"tiny-v{v}", version=v) for v in (2, 3)}
+    models: dict[Version, Path] = {
+        v: build_tiny_deepseek(root / f"tiny-v{v}", version=v) for v in (2, 3)
+    }
+    models["qwen3"] = build_tiny_qwen3_moe(root / "tiny-qwen3-moe")
+    return models
 
 
-_REFERENCES: dict[int, dict] = {}
+_REFERENCES: dict[Version, dict] = {}
 
 
-def colocated_reference(model: Path, version: int, log_dir: Path) -> dict:
+def colocated_reference(model: Path, version: Version, log_dir: Path) -> dict:
     """vLLM's own colocated run, once per model per session."""
     if version not in _REFERENCES:
         proc = Proc(
@@ -99,9 +109,13 @@ def daemon_status(address: str, within_s: float = 30.0) -> dict:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, "qwen3"])
 def test_afd_1_attention_1_ffn_matches_colocated(
-    version: int, tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+    version: Version,
+    tiny_models: dict[Version, Path],
+    start_daemon,
+    procs: list[Proc],
+    tmp_path: Path,
 ) -> None:
     model = tiny_models[version]
     reference = colocated_reference(model, version, tmp_path)
@@ -127,7 +141,7 @@ def test_afd_1_attention_1_ffn_matches_colocated(
 
 @pytest.mark.timeout(600)
 def test_attention_tp2_to_one_ffn_matches_colocated(
-    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+    tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
     """Attention TP=2 : 1 FFN. Each TP rank is an attention role rank of its own (2 expected),
     exchanges its replicated rows itself, and only TP rank 0 publishes; the FFN server is told
@@ -154,7 +168,7 @@ def test_attention_tp2_to_one_ffn_matches_colocated(
 
 @pytest.mark.timeout(600)
 def test_ffn_not_told_the_attention_tp_size_fails_clearly(
-    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+    tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
     """Attention TP=2 against an FFN server left at attention_tp_size=1: both sides refuse to
     connect and say which setting differs, instead of exchanging misplaced rows."""
@@ -171,14 +185,17 @@ def test_ffn_not_told_the_attention_tp_size_fails_clearly(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("version", [3, "qwen3"])
 def test_router_gate_on_the_attention_side_matches_colocated(
-    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
-) -> None:
+    version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
+    tmp_path: Path,
+) -> None:  # fmt: skip
     """AFD_GATE=attention on both roles: the attention side computes each MoE layer's router
     logits and sends them with the hidden states; the FFN side routes with them (DeepSeek-V3:
-    sigmoid scores, grouped top-k and the correction bias stay on the FFN side)."""
-    model = tiny_models[3]
-    reference = colocated_reference(model, 3, tmp_path)
+    sigmoid scores, grouped top-k and the correction bias stay on the FFN side; Qwen3-MoE:
+    softmax top-k with norm_topk_prob on the FFN side)."""
+    model = tiny_models[version]
+    reference = colocated_reference(model, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     gate = {"AFD_GATE": "attention"}
     ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=gate)
@@ -191,7 +208,7 @@ def test_router_gate_on_the_attention_side_matches_colocated(
 
 @pytest.mark.timeout(600)
 def test_ffn_server_waits_for_a_slow_attention_side(
-    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
+    tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
     """An FFN server is a server: it waits for its attention peers past connect_timeout_s (a
     large model's attention side takes minutes to load), then serves them."""
@@ -208,13 +225,15 @@ def test_ffn_server_waits_for_a_slow_attention_side(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("version", [2, "qwen3"])
 def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
-    tiny_models: dict[int, Path], start_daemon, procs: list[Proc], tmp_path: Path
-) -> None:
+    version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
+    tmp_path: Path,
+) -> None:  # fmt: skip
     """1 attention : 2 FFN: each FFN server keeps half the routed experts (shared experts and
-    the dense layer on FFN rank 0); the attention side adds the two partial outputs."""
-    model = tiny_models[2]
-    reference = colocated_reference(model, 2, tmp_path)
+    the dense layers on FFN rank 0); the attention side adds the two partial outputs."""
+    model = tiny_models[version]
+    reference = colocated_reference(model, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "2")
     ffns = []
     for rank in range(2):
@@ -233,7 +252,7 @@ def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
 
 
 @pytest.mark.timeout(300)
-def test_ffn_output_matters(tiny_models: dict[int, Path], tmp_path: Path) -> None:
+def test_ffn_output_matters(tiny_models: dict[Version, Path], tmp_path: Path) -> None:
     """Guards the comparison above: the tiny model's FFN blocks move the greedy tokens, so a
     broken hand-off (here: every FFN output replaced by zeros) cannot match colocated."""
     model = tiny_models[2]
@@ -258,7 +277,7 @@ def test_ffn_output_matters(tiny_models: dict[int, Path], tmp_path: Path) -> Non
 
 @pytest.mark.timeout(300)
 def test_plugin_without_afd_settings_changes_nothing(
-    tiny_models: dict[int, Path], tmp_path: Path
+    tiny_models: dict[Version, Path], tmp_path: Path
 ) -> None:
     """The same colocated run with the plugin disabled (VLLM_PLUGINS names another plugin)
     gives the same tokens and bit-identical log-probs."""

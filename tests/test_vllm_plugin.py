@@ -123,3 +123,49 @@ def test_attention_role_never_captures_the_exchange_in_a_full_graph(
     args = EngineArgs(model=str(tiny_model), compilation_config=compilation)
     hooks._piecewise_graphs_only(args)
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_qwen3_moe_attention_role_names_the_registered_afd_model(tmp_path: Path) -> None:
+    """The attention role's config names the family's AFD model, which vLLM's ModelRegistry
+    resolves to the class vllm_ext.families.qwen3_moe defines; the FFN role's is unchanged."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_cls
+
+    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
+
+    model = str(build_tiny_qwen3_moe(tmp_path / "tiny-qwen3-moe"))
+    config = EngineArgs(
+        model=model,
+        dtype="float32",
+        additional_config={"afd": {"role": "attention", "controller": "127.0.0.1:1"}},
+    ).create_engine_config()
+    assert config.model_config.hf_config.architectures == ["AfdQwen3MoeForCausalLM"]
+    assert get_model_cls(config.model_config).__module__ == "vllm_ext.families.qwen3_moe"
+    ffn = EngineArgs(
+        model=model,
+        dtype="float32",
+        additional_config={"afd": {"role": "ffn", "controller": "127.0.0.1:1"}},
+    ).create_engine_config()
+    assert ffn.model_config.hf_config.architectures == ["Qwen3MoeForCausalLM"]
+
+
+@pytest.mark.parametrize("role", ["attention", "ffn"])
+def test_a_model_no_family_splits_is_refused_with_the_supported_list(
+    role: str, tmp_path: Path
+) -> None:
+    """A dense Qwen3 (no family module) is refused when the engine config is made, on either
+    role, naming every architecture AFD splits."""
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
+
+    model = build_tiny_qwen3_moe(tmp_path / "dense-qwen3")
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    (model / "config.json").write_text(json.dumps(config))
+    afd = {"afd": {"role": role, "controller": "127.0.0.1:1"}}
+    supported = "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match=f"AFD supports {supported}.*Qwen3ForCausalLM"):
+        EngineArgs(model=str(model), dtype="float32", additional_config=afd).create_engine_config()

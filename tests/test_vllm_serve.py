@@ -40,6 +40,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-v2"), version=2)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
+
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
 def ask(port: int, model: Path) -> tuple[str, str]:
     base = f"http://127.0.0.1:{port}/v1"
     extra = {"model": str(model), "ignore_eos": True}
@@ -126,11 +133,15 @@ def complete_each(port: int, model: Path) -> list[str]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_qwen3_moe"])
 def test_attention_dp2_to_one_ffn_matches_colocated(
-    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
-) -> None:
-    """Attention DP=2 (`vllm serve --data-parallel-size 2`) : 1 FFN. Both attention ranks send
-    every step (the idle one a dummy batch); the payload carries the real per-rank counts."""
+    model_fixture: str, request: pytest.FixtureRequest, start_daemon, procs: list[Proc],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """Attention DP=2 (`vllm serve --data-parallel-size 2`) : 1 FFN, DeepSeek-V2 and Qwen3-MoE.
+    Both attention ranks send every step (the idle one a dummy batch); the payload carries the
+    real per-rank counts."""
+    tiny_model: Path = request.getfixturevalue(model_fixture)
     port = free_port()
     colocated = Proc(serve_argv(tiny_model, port), tmp_path / "colocated.log", vllm_env())
     procs.append(colocated)

@@ -6,8 +6,9 @@ resolves at that moment; `compat.runner_class_swapped` points that name at our s
 the construction window only (restored in `finally`).
 
 Runner: vLLM's own runner, with
-- `load_model`: the model is built inside `model_split.attention_split()` (MLP/MoE become
-  proxies), then the AFD session starts (data plane, registration, peers).
+- `load_model`: vLLM builds the family's attention model (vllm_ext/families: MLP/MoE become
+  proxies) inside `model_split.attention_split()`, then the AFD session starts (data plane,
+  registration, peers).
 - `_determine_batch_execution_and_padding`: where vLLM fixes a step's padded token counts
   (every DP rank's too), in execute_model and _dummy_run alike: the AFD step opens there
   (data-plane state, then one published AFDControlPayload), so the payload's hop overlaps
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_ext import compat
+from vllm_ext import compat, model_split
 from vllm_ext.attention_session import AttentionSession, StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
@@ -43,8 +44,15 @@ class AfdAttentionRunnerMixin:
         afd = from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
         if afd is None:
             raise RuntimeError("AfdAttentionWorker without an afd section in additional_config")
-        with attention_split(gate_here=afd.gate == "attention"):
+        with attention_split(self.vllm_config, gate_here=afd.gate == "attention"):  # type: ignore[attr-defined]
             super().load_model(*args, **kwargs)  # type: ignore[misc]
+        built = self.get_model()  # type: ignore[attr-defined]
+        if not model_split.proxies(built):
+            raise RuntimeError(
+                f"afd attention: vLLM built {type(built).__name__} with no AFD proxy, so "
+                "it would run every FFN here; its family module (vllm_ext/families) must "
+                "split it: see vllm_ext/README.md, 'Adding a model family'"
+            )
         session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
         session.start()
         self._afd_session = session

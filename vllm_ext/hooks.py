@@ -23,13 +23,12 @@ import sys
 from typing import Any
 
 from afd_ctl.routing import Role
-from vllm_ext import compat
+from vllm_ext import compat, families
 from vllm_ext.config import ROLES, AfdConfig, afd_section
 
 log = logging.getLogger(__name__)
 
 ATTENTION_WORKER_CLS = "vllm_ext.attention_worker.AfdAttentionWorker"
-SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _MARK = "_afd_wrapped"
 
 
@@ -37,6 +36,7 @@ def install() -> None:
     """Idempotent, and called again each time vLLM loads plugins: a module first imported
     after an earlier call (the engine core of an in-process LLM) is wrapped then."""
     seams = compat.seams()
+    families.register_attention_models()
     engine_args_cls, _ = seams.engine_args_classes()
     if not getattr(engine_args_cls.add_cli_args, _MARK, False):
         _wrap_add_cli_args(engine_args_cls)
@@ -167,6 +167,7 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
         config = original(self, *args, **kwargs)
         validate(config, afd)
         if afd.role is Role.ATTENTION:
+            families.use_attention_model(config)
             _exchange_between_graph_pieces(config)
             _wrap_api_server(afd)
         return config
@@ -235,12 +236,7 @@ def _exchange_between_graph_pieces(vllm_config: Any) -> None:
 
 def validate(vllm_config: Any, afd: AfdConfig) -> None:
     """Refuses settings the AFD split does not handle, naming the setting."""
-    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"AFD supports {', '.join(SUPPORTED_ARCHITECTURES)}; model "
-            f"{vllm_config.model_config.model} is {archs}"
-        )
+    families.family_for(vllm_config.model_config.hf_config)  # refuses an unsupported model
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("AFD does not support --pipeline-parallel-size > 1")

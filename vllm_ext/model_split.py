@@ -1,26 +1,24 @@
-"""The DeepSeek-V2/V3 split: which half of each decoder layer runs where.
+"""The AFD split, common to every model family (vllm_ext/families/ says per family where).
 
-Attention role: vLLM builds its own DeepseekV2ForCausalLM, but while each decoder layer is
-constructed the names `DeepseekV2MoE` and `DeepseekV2MLP` in vLLM's model module resolve to
-`AfdFfnProxy`, a parameter-free module that ships the post-attention-layernorm hidden states to
-the FFN side (through the `afd::ffn_exchange` custom op, opaque to torch.compile) and returns
-its output. The op writes into an output tensor the proxy allocates, as vLLM's attention ops
-do: under piecewise CUDA graphs the op runs eagerly between two captured pieces, and the next
-piece reads its input from the address captured, which must be a tensor the previous piece
-allocated (from the graph's memory pool), not a fresh one. The checkpoint's `.mlp.` tensors are skipped at load. Embeddings, MLA attention,
-layernorms, the final norm and lm_head stay as vLLM built them.
+Attention role: the decoder layer's MLP/MoE is an `AfdFfnProxy`, a parameter-free module that
+ships the post-attention-layernorm hidden states to the FFN side (through the `afd::ffn_exchange`
+custom op, opaque to torch.compile) and returns its output. The op writes into an output tensor
+the proxy allocates, as vLLM's attention ops do: under piecewise CUDA graphs the op runs eagerly
+between two captured pieces, and the next piece reads its input from the address captured, which
+must be a tensor the previous piece allocated (from the graph's memory pool), not a fresh one.
+The checkpoint's FFN tensors are skipped at load. Embeddings, attention, layernorms, the final
+norm and lm_head stay as vLLM built them.
 
-FFN role: `FfnStack` holds only `model.layers.{i}.mlp` for every layer, built with vLLM's own
-DeepseekV2MoE/DeepseekV2MLP classes (same kernels as a colocated run) and loaded with vLLM's own
-DeepseekV2Model.load_weights from the `.mlp.` tensors of the checkpoint.
+FFN role: `FfnStack` holds only `model.layers.{i}.mlp` for every layer, built with the family's
+vLLM classes (same kernels as a colocated run) and loaded with its vLLM loader from the FFN
+tensors of the checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,10 +27,6 @@ from torch import nn
 from vllm_ext import compat
 
 log = logging.getLogger(__name__)
-
-MLP_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
-
-MLP_GATE_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.gate\.weight$")
 
 # Set by the attention worker: layer_idx, hidden_states, router logits or None -> FFN output
 # of the same shape as hidden_states.
@@ -94,79 +88,33 @@ class AfdFfnProxy(nn.Module):
         return f"layer={self.layer_idx}, remote={self.kind}{gate}"
 
 
+def family(hf_config: Any) -> Any:
+    """The model's family (vllm_ext.families); an unsupported model is refused there."""
+    from vllm_ext import families
+
+    return families.family_for(hf_config)
+
+
 def router_columns(hf_config: Any, model_dtype: torch.dtype, gate: str) -> tuple[int, str]:
     """(router_width, router_dtype) of the data plane: the router logits' columns when the
-    gate runs on the attention side, else none. vLLM's gate computes in the model's dtype
-    unless the config asks for float32 routing."""
+    gate runs on the attention side, else none."""
     if gate != "attention":
         return 0, "float32"
-    _get_moe_router_dtype = compat.seams().deepseek_v2_module()._get_moe_router_dtype
-
-    if getattr(hf_config, "n_routed_experts", None) is None:
-        raise ValueError("afd gate=attention needs a MoE model (n_routed_experts is not set)")
-    dtype = _get_moe_router_dtype(hf_config) or model_dtype
-    return int(hf_config.n_routed_experts), str(dtype).removeprefix("torch.")
-
-
-def _attention_gate(config: Any, prefix: str) -> nn.Module:
-    """The MoE layer's router gate, built as DeepseekV2MoE builds it."""
-    seams = compat.seams()
-    return seams.gate_linear_class()(
-        config.hidden_size,
-        config.n_routed_experts,
-        out_dtype=seams.deepseek_v2_module()._get_moe_router_dtype(config),
-        prefix=f"{prefix}.gate",
-    )
+    split = family(hf_config)
+    experts = split.num_routed_experts(hf_config)
+    if not experts:
+        raise ValueError("afd gate=attention needs a MoE model (it has no routed experts)")
+    dtype = split.router_dtype(hf_config, model_dtype)
+    return int(experts), str(dtype).removeprefix("torch.")
 
 
-def _layer_idx(prefix: str) -> int:
-    match = re.search(r"layers\.(\d+)\.mlp$", prefix)
-    if match is None:
-        raise ValueError(f"afd: cannot tell the layer of MLP prefix {prefix!r}")
-    return int(match.group(1))
-
-
-@contextlib.contextmanager
-def attention_split(gate_here: bool = False) -> Iterator[None]:
-    """Construction and loading window for the attention role (restored in `finally`).
-    `gate_here`: the MoE proxies hold the router gate and its weights are loaded."""
-    dsv2 = compat.seams().deepseek_v2_module()
-    layer_cls = dsv2.DeepseekV2DecoderLayer
-    original_init = layer_cls.__init__
-    original_load = dsv2.DeepseekV2Model.load_weights
-    moe_cls, mlp_cls = dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP
-
-    def proxy_moe(*, prefix: str = "", config: Any = None, **_: Any) -> AfdFfnProxy:
-        gate = _attention_gate(config, prefix) if gate_here else None
-        return AfdFfnProxy(_layer_idx(prefix), "moe", gate)
-
-    def proxy_mlp(*, prefix: str = "", **_: Any) -> AfdFfnProxy:
-        return AfdFfnProxy(_layer_idx(prefix), "mlp")
-
-    def layer_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        # Only inside a decoder layer's constructor: the model-level isinstance checks that run
-        # afterwards see vLLM's real classes (so the attention model holds no MoE at all).
-        dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP = proxy_moe, proxy_mlp  # type: ignore[assignment]
-        try:
-            original_init(self, *args, **kwargs)
-        finally:
-            dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP = moe_cls, mlp_cls
-
-    def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        kept = (
-            (n, w)
-            for n, w in weights
-            if not MLP_WEIGHT.search(n) or (gate_here and MLP_GATE_WEIGHT.search(n))
-        )
-        return original_load(self, kept)
-
-    layer_cls.__init__ = layer_init  # type: ignore[method-assign]
-    dsv2.DeepseekV2Model.load_weights = load_weights  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        layer_cls.__init__ = original_init  # type: ignore[method-assign]
-        dsv2.DeepseekV2Model.load_weights = original_load  # type: ignore[method-assign]
+def attention_split(
+    vllm_config: Any, gate_here: bool = False
+) -> contextlib.AbstractContextManager[None]:
+    """Construction and loading window for the attention role (a no-op for a family whose
+    attention model is registered with vLLM). `gate_here`: the MoE proxies hold the router
+    gate and its weights are loaded."""
+    return family(vllm_config.model_config.hf_config).attention_load_window(gate_here)
 
 
 def proxies(model: nn.Module) -> list[AfdFfnProxy]:
@@ -181,59 +129,35 @@ class _LayerHolder(nn.Module):
 
 
 class FfnStack(nn.Module):
-    """`layers[i].mlp` of every decoder layer, named as in DeepseekV2Model, and nothing else."""
+    """`layers[i].mlp` of every decoder layer, named as in the family's vLLM model, and
+    nothing else."""
 
     def __init__(self, vllm_config: Any, prefix: str = "model") -> None:
         super().__init__()
-        seams = compat.seams()
-        dsv2 = seams.deepseek_v2_module()
-        config = vllm_config.model_config.hf_config
+        config = vllm_config.model_config.hf_text_config
+        self.family = family(vllm_config.model_config.hf_config)
         self.config = config
         self.dtype = vllm_config.model_config.dtype
-        moe_layer_freq = getattr(config, "moe_layer_freq", 1)
-        self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)
+        self.n_routed_experts = self.family.num_routed_experts(config) or 0
         layers = []
         self.is_moe: list[bool] = []
         for i in range(config.num_hidden_layers):
-            mlp_prefix = f"{prefix}.layers.{i}.mlp"
-            is_moe = (
-                config.n_routed_experts is not None
-                and i >= config.first_k_dense_replace
-                and i % moe_layer_freq == 0
-            )
-            if is_moe:
-                mlp: nn.Module = dsv2.DeepseekV2MoE(
-                    config=config,
-                    parallel_config=vllm_config.parallel_config,
-                    quant_config=vllm_config.quant_config,
-                    prefix=mlp_prefix,
-                    apply_routed_scale_to_output=not dsv2.rocm_aiter_ops.is_fused_moe_enabled(),
-                )
-            else:
-                mlp = dsv2.DeepseekV2MLP(
-                    hidden_size=config.hidden_size,
-                    intermediate_size=config.intermediate_size,
-                    hidden_act=config.hidden_act,
-                    quant_config=vllm_config.quant_config,
-                    prefix=mlp_prefix,
-                )
+            mlp, is_moe = self.family.build_ffn_layer(vllm_config, i, f"{prefix}.layers.{i}.mlp")
             layers.append(_LayerHolder(mlp))
             self.is_moe.append(is_moe)
         self.layers = nn.ModuleList(layers)
         # Router logits per layer for this call when the gate runs on the attention side.
         self._given: dict[int, torch.Tensor] | None = None
-        # What DeepseekV2Model.load_weights reads from `self`.
-        self.use_mha = False
-        self.num_redundant_experts = vllm_config.parallel_config.eplb_config.num_redundant_experts
-        self.is_fused_shared_expert_enabled = seams.fused_shared_expert_compatible(
-            self.layers, dsv2.DeepseekV2MoE
-        )
+        self.family.prepare_ffn_stack(self, vllm_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads the `.mlp.` tensors of a checkpoint (names as in the HF checkpoint)."""
-        dsv2 = compat.seams().deepseek_v2_module()
-        mine = ((name.removeprefix("model."), w) for name, w in weights if MLP_WEIGHT.search(name))
-        return dsv2.DeepseekV2Model.load_weights(self, mine)  # type: ignore[arg-type]
+        """Loads the FFN tensors of a checkpoint (names as in the HF checkpoint)."""
+        mine = (
+            (name.removeprefix("model."), w)
+            for name, w in weights
+            if self.family.is_ffn_weight(name)
+        )
+        return self.family.load_ffn_weights(self, mine)
 
     def use_given_router_logits(self) -> None:
         """The gate runs on the attention side: every MoE layer's gate returns the logits
@@ -254,9 +178,8 @@ class FfnStack(nn.Module):
                 )
             self._given[layer_idx] = router
         out = self.layers[layer_idx].mlp(hidden_states)
-        if not self.is_moe[layer_idx] and out.dtype == torch.float16:
-            # What DeepseekV2DecoderLayer.forward does after a dense MLP in fp16.
-            out = out * (1.0 / self.routed_scaling_factor)
+        if not self.is_moe[layer_idx]:
+            out = self.family.dense_output(self.config, out)
         return out
 
 
@@ -293,7 +216,9 @@ def load_ffn_stack(vllm_config: Any) -> FfnStack:
         loader.load_weights(stack, model_config)
         return stack
     expected = {n for n, _ in stack.named_parameters()}
-    loaded = stack.load_weights(loader.get_all_weights(model_config, stack))
+    loaded = seams.loaded_parameter_names(
+        stack.load_weights(loader.get_all_weights(model_config, stack))
+    )
     missing = expected - loaded
     if missing:
         raise ValueError(
@@ -304,7 +229,7 @@ def load_ffn_stack(vllm_config: Any) -> FfnStack:
 
 def mask_expert_shard(stack: FfnStack, shard: int, shards: int) -> None:
     """Keeps shard `shard` of `shards`: routed expert e iff e % shards == shard; the shared
-    experts and dense MLPs on shard 0. The others' down projections become zero, so each FFN
+    experts (if the family has them) and dense MLPs on shard 0. The others' down projections become zero, so each FFN
     rank returns a partial sum and the attention side adds them up.
 
     Memory is not saved yet (every rank loads every expert): that needs vLLM's expert
@@ -313,7 +238,7 @@ def mask_expert_shard(stack: FfnStack, shard: int, shards: int) -> None:
         return
     if not 0 <= shard < shards:
         raise ValueError(f"afd ffn: expert shard {shard} of {shards}")
-    n_routed = stack.config.n_routed_experts
+    n_routed = stack.n_routed_experts
     with torch.no_grad():
         for i, holder in enumerate(stack.layers):
             mlp = holder.mlp
@@ -326,8 +251,9 @@ def mask_expert_shard(stack: FfnStack, shard: int, shards: int) -> None:
                 owner = e % shards if e < n_routed else 0  # fused shared experts: shard 0
                 if owner != shard:
                     w2[e].zero_()
-            if mlp.shared_experts is not None and shard != 0:
-                mlp.shared_experts.down_proj.weight.zero_()
+            shared = stack.family.shared_experts(mlp)
+            if shared is not None and shard != 0:
+                shared.down_proj.weight.zero_()
 
 
 def finalize_ffn_stack(stack: FfnStack, vllm_config: Any, shard: int = 0, shards: int = 1) -> None:

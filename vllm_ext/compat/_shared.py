@@ -58,6 +58,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         ("self", "num_tokens", "is_profile", "is_graph_capturing"),
     ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model", ("self",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", ("self",)),
     ("vllm.model_executor.models.deepseek_v2", "DeepseekV2DecoderLayer.__init__", ("self",)),
     (
         "vllm.model_executor.models.deepseek_v2",
@@ -81,6 +82,54 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         "GateLinear.__init__",
         ("input_size", "output_size", "out_dtype", "prefix"),
     ),
+    ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeForCausalLM.load_weights", ("self",)),
+    # @support_torch_compile hides the model's own __init__ behind (*args, vllm_config, prefix,
+    # **kwargs): `decoder_layer_type` (vLLM's own parameter) is proven by the Qwen3-MoE AFD tests.
+    ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeModel.__init__", ("vllm_config", "prefix")),
+    ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeModel.load_weights", ("self", "weights")),
+    ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeModel.hf_to_vllm_mapper", ()),
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "Qwen3MoeDecoderLayer.forward",
+        ("self", "positions", "hidden_states", "residual"),
+    ),
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "Qwen3MoeAttention.__init__",
+        (
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "rope_parameters",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "qkv_bias",
+            "head_dim",
+            "cache_config",
+            "quant_config",
+            "prefix",
+            "dual_chunk_attention_config",
+        ),
+    ),  # fmt: skip
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "Qwen3MoeSparseMoeBlock.__init__",
+        ("vllm_config", "prefix"),
+    ),
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "Qwen3MoeMLP.__init__",
+        ("hidden_size", "intermediate_size", "hidden_act", "quant_config", "prefix"),
+    ),
+    ("vllm.model_executor.models.qwen3_moe", "RMSNorm.__init__", ("hidden_size", "eps")),
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "ParallelLMHead.__init__",
+        ("num_embeddings", "embedding_dim", "quant_config", "prefix"),
+    ),
+    ("vllm.model_executor.models.qwen3_moe", "LogitsProcessor.__init__", ("vocab_size",)),
+    ("vllm.model_executor.models.qwen3_moe", "maybe_prefix", ("prefix", "name")),
+    ("vllm", "ModelRegistry.register_model", ("model_arch", "model_cls")),
     ("vllm.model_executor.model_loader", "get_model_loader", ("load_config",)),
     (
         "vllm.model_executor.model_loader.utils",
@@ -278,6 +327,23 @@ def deepseek_v2_module() -> ModuleType:
     from vllm.model_executor.models import deepseek_v2
 
     return deepseek_v2
+
+
+def model_module(name: str) -> ModuleType:
+    """vllm/model_executor/models/<name>.py: a model family's own classes, which the family's
+    split (vllm_ext/families/) builds its halves from (their targets are in SIGNATURES)."""
+    import importlib
+
+    return importlib.import_module(f"vllm.model_executor.models.{name}")
+
+
+def register_model(architecture: str, model_cls: str) -> None:
+    """vLLM's ModelRegistry (vllm/model_executor/models/registry.py): `model_cls` is
+    "module:Class", imported only when vLLM builds that architecture."""
+    from vllm import ModelRegistry
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(architecture, model_cls)
 
 
 def gate_linear_class() -> type:

@@ -21,6 +21,11 @@ LINE = "0.26"
 SIGNATURES = [
     *_SHARED_SIGNATURES,
     ("vllm.entrypoints.openai.engine.protocol", "GenerationError.__init__", ("message",)),
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "ReplicatedLinear.__init__",
+        ("input_size", "output_size", "bias", "quant_config", "prefix"),
+    ),
 ]
 
 
@@ -40,3 +45,28 @@ def request_failed_error(message: str) -> Exception:
     error = GenerationError(message)
     error.status_code = HTTPStatus.SERVICE_UNAVAILABLE
     return error
+
+
+def qwen3_moe_gate(config: Any, quant_config: Any, prefix: str) -> Any:
+    """The router gate Qwen3MoeSparseMoeBlock builds on 0.26: a ReplicatedLinear."""
+    from vllm.model_executor.models.qwen3_moe import ReplicatedLinear
+
+    return ReplicatedLinear(
+        config.hidden_size, config.num_experts, bias=False, quant_config=quant_config, prefix=prefix
+    )
+
+
+def tie_lm_head(lm_head: Any, embed_tokens: Any) -> Any:
+    """What Qwen3MoeForCausalLM does with tie_word_embeddings on 0.26."""
+    lm_head.weight = embed_tokens.weight
+    return lm_head
+
+
+def loaded_parameter_names(loaded: set[str]) -> set[str]:
+    """The parameter names a model-level load_weights loaded. 0.26's MoERunner.load_weights
+    (vllm/model_executor/layers/fused_moe/runner/moe_runner.py) reports its experts' tensors
+    without the `routed_experts.` that is in their parameter names (vLLM's own loader counts
+    them as loaded through their quant method instead): both spellings count."""
+    return loaded | {
+        n.replace(".experts.", ".experts.routed_experts.", 1) for n in loaded if ".experts." in n
+    }

@@ -14,6 +14,12 @@ SIGNATURES = [
     *_SHARED_SIGNATURES,
     ("vllm.exceptions", "RetryableRequestError", ()),
     ("vllm.model_executor.layers.fused_moe.utils", "is_model_fused_shared_expert_compatible", ()),
+    (
+        "vllm.model_executor.models.qwen3_moe",
+        "GateLinear.__init__",
+        ("input_size", "output_size", "quant_config", "prefix"),
+    ),
+    ("vllm.model_executor.models.qwen3_moe", "ParallelLMHead.tie_weights", ("self",)),
 ]
 
 
@@ -32,3 +38,22 @@ def request_failed_error(message: str) -> Exception:
     from vllm.exceptions import RetryableRequestError
 
     return RetryableRequestError(message)
+
+
+def qwen3_moe_gate(config: Any, quant_config: Any, prefix: str) -> Any:
+    """The router gate Qwen3MoeSparseMoeBlock builds on 0.32: a GateLinear."""
+    from vllm.model_executor.models.qwen3_moe import GateLinear
+
+    return GateLinear(
+        config.hidden_size, config.num_experts, quant_config=quant_config, prefix=prefix
+    )
+
+
+def tie_lm_head(lm_head: Any, embed_tokens: Any) -> Any:
+    """What Qwen3MoeForCausalLM does with tie_word_embeddings on 0.32."""
+    return lm_head.tie_weights(embed_tokens)
+
+
+def loaded_parameter_names(loaded: set[str]) -> set[str]:
+    """The parameter names a model-level load_weights loaded: as reported on 0.32."""
+    return loaded
