@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from typing import Any
@@ -117,6 +118,7 @@ def merge_afd_flags(additional_config: Any, args: argparse.Namespace) -> dict[st
 def _wrap_add_cli_args(engine_args_cls: type) -> None:
     original = engine_args_cls.add_cli_args
 
+    @functools.wraps(original)
     def add_cli_args(parser, *args, **kwargs):
         parser = original(parser, *args, **kwargs)
         add_afd_arguments(parser)
@@ -129,6 +131,7 @@ def _wrap_add_cli_args(engine_args_cls: type) -> None:
 def _wrap_from_cli_args(engine_args_cls: type) -> None:
     original = engine_args_cls.from_cli_args.__func__
 
+    @functools.wraps(original)
     def from_cli_args(cls, args: argparse.Namespace):
         engine_args = original(cls, args)
         engine_args.additional_config = merge_afd_flags(engine_args.additional_config, args)
@@ -143,6 +146,7 @@ ATTENTION_SHUTDOWN_TIMEOUT_S = 5
 def _wrap_create_engine_config(engine_args_cls: type) -> None:
     original = engine_args_cls.create_engine_config
 
+    @functools.wraps(original)  # vLLM's name and signature stay visible
     def create_engine_config(self, *args, **kwargs):
         afd = AfdConfig.resolve(afd_section(self.additional_config))
         if afd is None:
