@@ -140,6 +140,7 @@ def test_afd_1_attention_1_ffn_matches_colocated(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.line_independent
 def test_attention_tp2_to_one_ffn_matches_colocated(
     tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -167,6 +168,7 @@ def test_attention_tp2_to_one_ffn_matches_colocated(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.line_independent
 def test_ffn_not_told_the_attention_tp_size_fails_clearly(
     tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -207,6 +209,7 @@ def test_router_gate_on_the_attention_side_matches_colocated(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.line_independent
 def test_ffn_server_waits_for_a_slow_attention_side(
     tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -252,6 +255,7 @@ def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.line_independent
 def test_ffn_output_matters(tiny_models: dict[Version, Path], tmp_path: Path) -> None:
     """Guards the comparison above: the tiny model's FFN blocks move the greedy tokens, so a
     broken hand-off (here: every FFN output replaced by zeros) cannot match colocated."""

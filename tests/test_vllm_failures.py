@@ -137,7 +137,7 @@ def answered_again(servers: AfdServers, timeout_s: float = 60) -> str:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.line_independent)])
 def test_ffn_kill_fails_the_request_and_attention_recovers(
     dp: int, tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -181,6 +181,7 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.line_independent
 def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
     tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
@@ -208,6 +209,7 @@ def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.line_independent
 def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
     tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:

@@ -133,7 +133,10 @@ def complete_each(port: int, model: Path) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_qwen3_moe"])
+@pytest.mark.parametrize(
+    "model_fixture",
+    ["tiny_model", pytest.param("tiny_qwen3_moe", marks=pytest.mark.line_independent)],
+)
 def test_attention_dp2_to_one_ffn_matches_colocated(
     model_fixture: str, request: pytest.FixtureRequest, start_daemon, procs: list[Proc],
     tmp_path: Path,
