@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,14 +149,14 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes[f"{a}.o_proj.weight"] = (h, heads * config["v_head_dim"])
         m = f"{p}.mlp"
         if i < config["first_k_dense_replace"]:
-            _mlp_shapes(shapes, m, h, config["intermediate_size"])
+            mlp_shapes(shapes, m, h, config["intermediate_size"])
             continue
         shapes[f"{m}.gate.weight"] = (config["n_routed_experts"], h)
         if config["topk_method"] == "noaux_tc":
             shapes[f"{m}.gate.e_score_correction_bias"] = (config["n_routed_experts"],)
         for e in range(config["n_routed_experts"]):
-            _mlp_shapes(shapes, f"{m}.experts.{e}", h, config["moe_intermediate_size"])
-        _mlp_shapes(
+            mlp_shapes(shapes, f"{m}.experts.{e}", h, config["moe_intermediate_size"])
+        mlp_shapes(
             shapes,
             f"{m}.shared_experts",
             h,
@@ -164,19 +165,25 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _mlp_shapes(shapes: dict[str, tuple[int, ...]], prefix: str, h: int, inter: int) -> None:
+def mlp_shapes(shapes: dict[str, tuple[int, ...]], prefix: str, h: int, inter: int) -> None:
     shapes[f"{prefix}.gate_proj.weight"] = (inter, h)
     shapes[f"{prefix}.up_proj.weight"] = (inter, h)
     shapes[f"{prefix}.down_proj.weight"] = (h, inter)
 
 
 def build_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Norm weights 1, the router's correction bias small, every matrix N(0, INIT_STD)."""
+    """The tiny DeepSeek's tensors (random_weights of its weight_shapes)."""
+    return random_weights(weight_shapes(config), seed)
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, Any]:
+    """Norm weights 1, a router's correction bias small, every matrix N(0, INIT_STD); drawn in
+    name order, so the same shapes and seed give the same tensors (every tiny test model)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in sorted(weight_shapes(config).items()):
+    for name, shape in sorted(shapes.items()):
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
         elif name.endswith("e_score_correction_bias"):
@@ -231,26 +238,44 @@ def build_tiny_deepseek(
     `head_dim`: qk_nope_head_dim and v_head_dim (GPU_HEAD_DIM for vLLM on GPU).
 
     Idempotent: a directory that already holds the same config and seed is left alone."""
+    return write_checkpoint(
+        out_dir,
+        config_for(version, head_dim),
+        seed,
+        weight_shapes,
+        "deepseek",
+        f"DeepSeek-V{version}",
+    )
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    config: dict[str, Any],
+    seed: int,
+    shapes_of: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]],
+    family: str,
+    label: str,
+) -> Path:
+    """Writes config.json, generation_config.json, model.safetensors (random_weights of
+    shapes_of(config)) and the tokenizer into out_dir; returns out_dir. Idempotent: a directory
+    that already holds the same config and seed is left alone."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    config = config_for(version, head_dim)
     stamp = json.dumps({"config": config, "seed": seed}, sort_keys=True)
-    if (out / ".tiny-deepseek-stamp").is_file() and (
-        out / ".tiny-deepseek-stamp"
-    ).read_text() == stamp:
+    marker = out / f".tiny-{family}-stamp"
+    if marker.is_file() and marker.read_text() == stamp:
         return out
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
     )
-    save_file(
-        build_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
-    )
+    weights = random_weights(shapes_of(config), seed)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer(out)
-    (out / ".tiny-deepseek-stamp").write_text(stamp)
-    log.info("wrote tiny DeepSeek-V%d to %s", version, out)
+    marker.write_text(stamp)
+    log.info("wrote tiny %s to %s", label, out)
     return out
 
 

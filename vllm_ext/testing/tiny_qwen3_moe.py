@@ -13,14 +13,17 @@ layers 1 and 5.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 from pathlib import Path
 from typing import Any
 
-from vllm_ext.testing.tiny_deepseek import BOS_ID, EOS_ID, INIT_STD, VOCAB, build_tokenizer
-
-log = logging.getLogger(__name__)
+from vllm_ext.testing.tiny_deepseek import (
+    BOS_ID,
+    EOS_ID,
+    INIT_STD,
+    VOCAB,
+    mlp_shapes,
+    write_checkpoint,
+)
 
 HIDDEN = 256
 LAYERS = 6
@@ -94,58 +97,18 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         m = f"{p}.mlp"
         sparse = (i + 1) % config["decoder_sparse_step"] == 0
         if i in config["mlp_only_layers"] or not sparse:
-            _mlp_shapes(shapes, m, h, config["intermediate_size"])
+            mlp_shapes(shapes, m, h, config["intermediate_size"])
             continue
         shapes[f"{m}.gate.weight"] = (config["num_experts"], h)
         for e in range(config["num_experts"]):
-            _mlp_shapes(shapes, f"{m}.experts.{e}", h, config["moe_intermediate_size"])
+            mlp_shapes(shapes, f"{m}.experts.{e}", h, config["moe_intermediate_size"])
     return shapes
-
-
-def _mlp_shapes(shapes: dict[str, tuple[int, ...]], prefix: str, h: int, inter: int) -> None:
-    shapes[f"{prefix}.gate_proj.weight"] = (inter, h)
-    shapes[f"{prefix}.up_proj.weight"] = (inter, h)
-    shapes[f"{prefix}.down_proj.weight"] = (h, inter)
-
-
-def build_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Norm weights 1, every matrix N(0, INIT_STD)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in sorted(weight_shapes(config).items()):
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape)
-        else:
-            t = torch.randn(shape, generator=gen) * INIT_STD
-        tensors[name] = t.contiguous()
-    return tensors
 
 
 def build_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0) -> Path:
     """Writes config.json, model.safetensors and a tokenizer into out_dir; returns out_dir.
     Idempotent: a directory that already holds the same config and seed is left alone."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    config = config_for()
-    stamp = json.dumps({"config": config, "seed": seed}, sort_keys=True)
-    marker = out / ".tiny-qwen3-moe-stamp"
-    if marker.is_file() and marker.read_text() == stamp:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
-    )
-    save_file(
-        build_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
-    )
-    build_tokenizer(out)
-    marker.write_text(stamp)
-    log.info("wrote tiny Qwen3-MoE to %s", out)
-    return out
+    return write_checkpoint(out_dir, config_for(), seed, weight_shapes, "qwen3-moe", "Qwen3-MoE")
 
 
 def main() -> None:
