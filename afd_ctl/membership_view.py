@@ -91,6 +91,7 @@ class MembershipView:
     def on_fatal(self, error: AfdError) -> None:
         with self.cond:
             self.fatal = error
+            self._payloads.put(error)  # wakes a reader blocked in next_payload
             self.cond.notify_all()
 
     def stop(self, reason: str) -> bool:
@@ -196,13 +197,17 @@ class MembershipView:
             return self.registered_msg
 
     def next_payload(self, timeout_s: float) -> afd_pb2.AFDControlPayload:
-        """The next payload, in order, or the typed error that came in its place."""
+        """The next payload, in order, or the typed error that came in its place.
+
+        A set that is not complete yet (and was not complete before, so nothing was lost) is
+        waited for within ``timeout_s``: the first payload of an epoch can reach this worker
+        just before the view that says the set is complete."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 item = self._payloads.get_nowait()
             except queue.Empty:
-                self.raise_condition()
+                self.raise_condition(wait_for_completion=True)
                 try:
                     item = self._payloads.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
@@ -227,8 +232,9 @@ class MembershipView:
             return False
         return item.epoch < acknowledged
 
-    def raise_condition(self) -> None:
-        """Raises what keeps this worker from making progress now, if anything."""
+    def raise_condition(self, wait_for_completion: bool = False) -> None:
+        """Raises what keeps this worker from making progress now, if anything. With
+        ``wait_for_completion`` a set that is still forming is not an error."""
         with self.cond:
             if self.fatal is not None:
                 raise self.fatal
@@ -243,6 +249,8 @@ class MembershipView:
             if not self.current.complete:
                 if self._lost is not None and self._was_complete:
                     raise self._lost
+                if wait_for_completion:
+                    return
                 raise AfdNotReady(self.incomplete_message("now") + "; call wait_complete()")
 
     def stamp(self, payload: afd_pb2.AFDControlPayload) -> None:

@@ -218,3 +218,20 @@ def test_config_reads_flags_then_environment_then_defaults():
         DaemonConfig(listen="nocolon")
     with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
         DaemonConfig(tls_cert="/etc/hostname")
+
+
+def test_a_payload_that_overtakes_the_complete_view_is_delivered():
+    """The daemon's first payload of an epoch can reach a worker just before the view that says
+    the set is complete: next_payload waits for it within its timeout instead of refusing."""
+    from afd_ctl.errors import AfdNotReady
+    from afd_ctl.membership_view import MembershipView
+    from afd_ctl.v1 import afd_pb2
+
+    forming = afd_pb2.View(epoch=3, expected_attention=1, expected_ffn=2, complete=False)
+    view = MembershipView("127.0.0.1:1")
+    with view.cond:
+        view.on_registered(afd_pb2.Registered(view=forming))
+    with pytest.raises(AfdNotReady, match=r"incomplete now; .*call wait_complete\(\)"):
+        view.next_payload(0.01)
+    view.on_payload(make_payload(1, 1, 1))
+    assert view.next_payload(5).step_id == 1
