@@ -98,10 +98,14 @@ def decode_blob(data: bytes, what: str = "peer blob") -> PeerBlob:
     )
 
 
+# Shape fields that may differ between peers: each side checks them with its own rule.
+PER_WORKER_SHAPE = frozenset({"num_stages"})
+
+
 def shape_mismatches(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """Fields whose values differ, as "name: mine X, peer Y"."""
     return [
         f"{name}: this worker {mine[name]!r}, peer {theirs.get(name)!r}"
         for name in mine
-        if theirs.get(name) != mine[name]
+        if name not in PER_WORKER_SHAPE and theirs.get(name) != mine[name]
     ]

@@ -12,8 +12,11 @@ One buffer per worker, receive part first (the only part peers see), send stagin
   attention peers packed back to back in role-rank order, so the concatenation is one
   contiguous view), then ``send_output[slot]`` (same packing).
 
-``slot = (layer % layers_in_flight) * num_stages + stage``. NIXL descriptors are one per row,
-so any row range is a list of indices and NIXL merges the contiguous run into one transfer.
+``slot = stage * layers_in_flight + layer % layers_in_flight``: stage 0's slots come first, so
+they sit at the same place whatever a worker's ``num_stages``. That is what lets an FFN worker
+that carries two stages serve attention peers that carry one (``peer_recv_table``). NIXL
+descriptors are one per row, so any row range is a list of indices and NIXL merges the
+contiguous run into one transfer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 
 from afd_ctl.routing import Role, max_peers
 from afd_data.config import TransportConfig
+from afd_data.errors import AfdBadInput
 
 _ALIGN = 256  # byte alignment of every region (GPU-friendly, and a row never straddles two)
 
@@ -118,7 +122,8 @@ class BufferLayout:
         return region
 
     def slot(self, layer: int, stage: int) -> int:
-        return (layer % self.config.layers_in_flight) * self.config.num_stages + stage
+        lif = self.config.layers_in_flight
+        return stage * lif + layer % lif
 
     # --- descriptor tables: region i of the table is slot i, router of slot i is i + slots ---
 
@@ -135,3 +140,35 @@ class BufferLayout:
             return RowTable([areas[sender_pos] for areas in self.recv_output])
         # Every attention peer may land on any row of the packed area.
         return RowTable(self.recv_hidden + self.recv_router)
+
+
+def peer_recv_table(
+    mine: BufferLayout, peer: BufferLayout, sender_pos: int, peer_recv_bytes: int, where: str
+) -> RowTable:
+    """The part of ``peer``'s receive area that this worker (at ``sender_pos`` in the peer's
+    peer list) writes into, listed in this worker's send-table order: region ``i`` of the
+    result is where this worker's send region ``i`` lands. A stage the peer does not carry is
+    an empty region (the step plan never sends it there). AfdBadInput if the peer's receive
+    area is too small for its own layout."""
+    table = peer.recv_table_for(sender_pos)
+    last = table.regions[-1]
+    if last.offset + last.nbytes > peer_recv_bytes:
+        raise AfdBadInput(
+            f"{where}: its receive region ({peer_recv_bytes} bytes) is smaller than the layout "
+            "needs"
+        )
+    lif = mine.config.layers_in_flight
+    peer_slots, my_slots = peer.num_slots, mine.num_slots
+    regions: list[Region] = []
+    # The sender's send table: its slots, then (attention with router columns) the same slots
+    # again for the router; the receiver's table has the same two parts, sized by its slots.
+    parts = len(mine.send_table().regions) // my_slots
+    for part in range(parts):
+        for slot in range(my_slots):
+            stage = slot // lif
+            if stage * lif >= peer_slots:
+                row_bytes = table.regions[part * peer_slots].row_bytes
+                regions.append(Region(0, 0, row_bytes))
+            else:
+                regions.append(table.regions[part * peer_slots + slot])
+    return RowTable(regions)

@@ -170,8 +170,9 @@ class CudaMemory:
 
     def sync(self) -> None:
         """NIXL does not order with CUDA streams: finish the kernels that wrote (or still read)
-        a buffer before a WRITE leaves or lands in it."""
-        self._torch.cuda.current_stream(self.device).synchronize()
+        a buffer before a WRITE leaves or lands in it. (The device as an int: torch then skips
+        parsing a torch.device on every send.)"""
+        self._torch.cuda.current_stream(self.device_id).synchronize()
 
 
 def make_memory(device: str) -> HostMemory | CudaMemory:

@@ -115,7 +115,6 @@ class NixlTransport:
         self.device = device
         self.peer_ranks = peer_ranks(self.role, role_rank, config.num_attention, config.num_ffn)
         self._layout = BufferLayout(config, self.role)
-        self._peer_layout = BufferLayout(config, self.role.other)
         self._closed = False
         self._local = LocalAgent(name, self.role, role_rank, config, self._layout, device)
         self._agent = self._local.nixl
@@ -198,7 +197,7 @@ class NixlTransport:
                 "that epoch; a membership change must come with a new epoch"
             )
         fresh = validate_peers(
-            specs, self.config, self.role, self.role_rank, self.peer_ranks, self._peer_layout
+            specs, self.config, self.role, self.role_rank, self.peer_ranks, self._layout
         )
         self._queue.settle()
         try:
@@ -265,6 +264,13 @@ class NixlTransport:
             )
         credits.check_next_step(self._credits, step_id, current)
         counts = validate_counts(self.config, num_tokens_across_dp)
+        for peer in self._peers.peers:
+            if len(counts) > peer.stages:
+                raise AfdBadInput(
+                    f"step {step_id} has {len(counts)} stages but {peer.label} carries "
+                    f"{peer.stages}: every attention worker of a deployment must run the same "
+                    "micro-batching (--enable-dbo on all of them or none)"
+                )
         credits.check_step_finished(self._credits, f"begin_step({step_id})", self.ANSWER)
         self.flush()
 

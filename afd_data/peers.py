@@ -19,7 +19,7 @@ from afd_data.agent import NIXL_ERRORS
 from afd_data.blob import PeerBlob, decode_blob, shape_mismatches
 from afd_data.config import TransportConfig
 from afd_data.errors import AfdBadInput
-from afd_data.layout import BufferLayout, RowTable
+from afd_data.layout import BufferLayout, RowTable, peer_recv_table
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ class PeerSpec:
 class Peer:
     """A connected peer: its agent, prepared remote descriptors, and cached transfer handles."""
 
-    __slots__ = ("spec", "blob", "pos", "agent_name", "label", "table", "dlist", "handles")
+    __slots__ = (
+        "spec", "blob", "pos", "agent_name", "label", "stages", "table", "dlist", "handles",
+    )  # fmt: skip
 
     def __init__(self, spec: PeerSpec, blob: PeerBlob, pos: int, label: str):
         self.spec = spec
@@ -58,6 +60,7 @@ class Peer:
         self.pos = pos  # index in this worker's peer list (rank order)
         self.agent_name = blob.agent_name
         self.label = label
+        self.stages = int(blob.shape.get("num_stages") or 1)  # micro-batches it carries
         self.table: RowTable | None = None
         self.dlist: Any = None
         # (slot, local row, remote row, rows) -> prepared WRITE handle, least recent first.
@@ -72,13 +75,14 @@ def validate_peers(
     role: Role,
     role_rank: int,
     ranks: tuple[int, ...],
-    peer_layout: BufferLayout,
+    layout: BufferLayout,
 ) -> list[Peer]:
     """The peers of ``role_rank`` (routed to it: ``ranks``) in rank order, unwired; AfdBadInput
-    names the first peer that is wrong or missing."""
+    names the first peer that is wrong or missing. ``layout`` is this worker's own."""
     other = role.other
     by_rank: dict[int, Peer] = {}
     mine = config.shape_fields()
+    peer_layouts: dict[int, BufferLayout] = {}
     for spec in specs:
         where = f"peer {spec.role.label} rank {spec.role_rank}"
         if spec.role is not other:
@@ -110,15 +114,20 @@ def validate_peers(
                 f"{where}: buffer shape differs ({'; '.join(diff)}); start every worker "
                 "with the same TransportConfig shape fields"
             )
-        table = peer_layout.recv_table_for(
-            peer_ranks(other, spec.role_rank, config.num_attention, config.num_ffn).index(role_rank)
-        )
-        last = table.regions[-1]
-        if last.offset + last.nbytes > blob.recv_bytes:
-            raise AfdBadInput(
-                f"{where}: its receive region ({blob.recv_bytes} bytes) is "
-                "smaller than the layout needs"
+        stages = check_stages(config.num_stages, blob.shape.get("num_stages"), role, where)
+        if stages not in peer_layouts:
+            peer_layouts[stages] = BufferLayout(
+                dataclasses.replace(config, num_stages=stages), other
             )
+        table = peer_recv_table(
+            layout,
+            peer_layouts[stages],
+            peer_ranks(other, spec.role_rank, config.num_attention, config.num_ffn).index(
+                role_rank
+            ),
+            blob.recv_bytes,
+            where,
+        )
         peer = Peer(
             spec,
             blob,
@@ -134,6 +143,23 @@ def validate_peers(
             f"{role_rank}; connect once the control plane's view is complete"
         )
     return [by_rank[r] for r in ranks]
+
+
+def check_stages(mine: int, theirs: Any, role: Role, where: str) -> int:
+    """The peer's stage count, if the two workers can share steps: an FFN worker carries at
+    least as many stages (micro-batches per step) as each of its attention peers. The attention
+    side decides how many a step has; an FFN worker that carries two follows one-stage and
+    two-stage attention peers alike."""
+    if theirs not in (1, 2):
+        raise AfdBadInput(f"{where}: its blob carries num_stages {theirs!r}, not 1 or 2")
+    attention, ffn = (mine, theirs) if role is Role.ATTENTION else (theirs, mine)
+    if attention > ffn:
+        raise AfdBadInput(
+            f"{where}: the attention side runs {attention} stages per step (dual-batch overlap) "
+            f"but the FFN side carries {ffn}; give the FFN workers num_stages {attention} "
+            "(vLLM: afd num_stages, default 2)"
+        )
+    return int(theirs)
 
 
 class PeerSet:

@@ -191,6 +191,36 @@ def test_bytes_arrive_intact(spawn, m: int, n: int, stages: int, extra: dict[str
     assert sum(d["checked_bytes"] for d in done[n:]) == expected  # attention side
 
 
+def test_ffn_carrying_two_stages_serves_one_stage_attention(spawn) -> None:
+    """FFN workers carry two stages (what a vLLM FFN server does by default, to follow
+    attention servers with or without dual-batch overlap); their attention peers carry one.
+    Stage 0 lies at the same place in both layouts, so every byte arrives intact both ways."""
+    m, n, steps, layers, seed = 2, 2, 60, 3, 7
+    base = {
+        "hidden_size": 48,
+        "max_tokens_per_peer": 16,
+        "layers_in_flight": 2,
+        "num_attention": m,
+        "num_ffn": n,
+        "router_width": 4,
+        "router_dtype": "int32",
+    }
+    args = ("--steps", str(steps), "--layers", str(layers), "--depth", "2", "--seed", str(seed))
+    workers = [spawn("ffn", r, {**base, "num_stages": 2}, *args) for r in range(n)]
+    workers += [spawn("attention", r, {**base, "num_stages": 1}, *args) for r in range(m)]
+    done = [finish(w, 90) for w in workers]
+    stop_all(spawn.daemon, workers)
+    cfg = TransportConfig(**base)
+    expected = 0
+    for i in range(steps):
+        counts = step_counts(seed, 1_000_000 + i, 1, m, cfg.max_tokens_per_peer)
+        for a in range(m):
+            expected += max(1, counts[0][a]) * len(peer_ranks(Role.ATTENTION, a, m, n))
+    expected *= layers * cfg.hidden_size * cfg.itemsize
+    assert sum(d["checked_bytes"] for d in done[:n]) == expected
+    assert sum(d["checked_bytes"] for d in done[n:]) == expected
+
+
 def test_ffn_killed_mid_step_then_replaced(spawn) -> None:
     """kill -9 of the FFN worker while the attention side waits for its output: the attention
     side raises AfdPeerLost well inside its receive bound (a probe meets the disconnect), then
@@ -420,10 +450,12 @@ def test_connect_refuses_bad_peers(pair) -> None:
     cfg = t.config
     other_shape = TransportConfig(**{**SMALL, "hidden_size": 32})
     odd = FakePeer(f"odd-{os.getpid()}", Role.ATTENTION, 0, other_shape)
+    dbo = FakePeer(f"dbo-{os.getpid()}", Role.ATTENTION, 0, TransportConfig(**SMALL, num_stages=2))
     try:
         cases = [
             ([(Role.ATTENTION, 0, 0, b"junk")], "not an afd.data.v1.DataPlaneBlob"),
             ([odd.spec()], "hidden_size: this worker 16, peer 32"),
+            ([dbo.spec()], "attention side runs 2 stages .* FFN side carries 1; give the FFN"),
             ([(Role.FFN, 0, 0, fake.blob)], "connects to attention peers only"),
             ([(Role.ATTENTION, 1, 1, fake.blob)], "not routed"),
             ([], r"missing attention peer\(s\) \[0\]"),
@@ -436,6 +468,7 @@ def test_connect_refuses_bad_peers(pair) -> None:
             t.connect(2, [fake.spec()])
     finally:
         odd.close()
+        dbo.close()
     assert cfg.shape_fields()["hidden_size"] == 16
 
 

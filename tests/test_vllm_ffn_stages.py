@@ -1,6 +1,6 @@
 """The FFN server's two-stage path (the micro-batches of dual-batch overlap), on CPU.
 
-A real `vllm serve --afd-role ffn` with a two-stage data plane, driven by a test attention peer
+A real `vllm serve --afd-role ffn` with its default data plane (two stages), driven by a test attention peer
 over a real afd-ctl and real NIXL agents (tests/two_stage_attention_peer.py): the same rows of
 every layer as one stage, as two stages, and as one stage again must give the same outputs.
 """
@@ -32,9 +32,10 @@ def test_ffn_server_serves_one_and_two_stage_steps_alike(tmp_path: Path) -> None
     try:
         ffn = Proc(
             # afd max_tokens sizes the FFN's data plane explicitly; the peer uses the same.
+            # No stage setting: an FFN server follows one- and two-stage attention peers.
             ffn_argv(model, daemon.address, "--additional-config", json.dumps(SIZE)),
             tmp_path / "ffn.log",
-            vllm_env({"AFD_DATA_NUM_STAGES": "2"}),
+            vllm_env(),
         )
         procs.append(ffn)
         peer = Proc(

@@ -53,6 +53,10 @@ class AfdConfig:
     # FFN role: the attention servers' --tensor-parallel-size (each attention TP rank is its
     # own peer). The attention role takes it from vLLM.
     attention_tp_size: int = 1
+    # FFN role: micro-batches per step this server's data plane carries. 2 (the default)
+    # follows attention servers with or without dual-batch overlap, for twice the receive and
+    # send buffers of 1; 1 saves that memory and refuses attention servers that overlap.
+    num_stages: int = 2
     # TLS towards afd-ctl (PEM paths): the CA that signed the daemon's certificate and, for
     # mTLS, this worker's certificate and key. Empty tls_ca: AFD_CTL_TLS_* as `afd-ctl`'s own
     # commands read them, else plaintext.
@@ -88,6 +92,8 @@ class AfdConfig:
             raise ValueError(f"afd gate must be one of {GATE_SIDES}, got {self.gate!r}")
         if self.attention_tp_size < 1:
             raise ValueError(f"afd attention_tp_size must be >= 1, got {self.attention_tp_size}")
+        if self.num_stages not in (1, 2):
+            raise ValueError(f"afd num_stages must be 1 or 2, got {self.num_stages}")
         if self.ffn_rank < 0:
             raise ValueError(f"afd ffn_rank must be >= 0, got {self.ffn_rank}")
         if self.profile_steps < 1 or self.profile_start_step < 0:

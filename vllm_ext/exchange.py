@@ -101,7 +101,8 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
 
 def _transport(name: str, role: Role, rank: int, *, num_attention: int, num_ffn: int,
                hidden_size: int, dtype: torch.dtype, max_tokens: int, timeout_s: float,
-               router: tuple[int, str], attention_tp_size: int = 1) -> Any:  # fmt: skip
+               router: tuple[int, str], attention_tp_size: int = 1,
+               num_stages: int | None = None) -> Any:  # fmt: skip
     from afd_data import NixlTransport, TransportConfig
 
     # AFD_DATA_<FIELD> environment variables tune the rest (polling, bounds, progress thread).
@@ -115,6 +116,7 @@ def _transport(name: str, role: Role, rank: int, *, num_attention: int, num_ffn:
         router_width=router[0],
         router_dtype=router[1],
         attention_tp_size=attention_tp_size,
+        num_stages=num_stages,
     )
     return NixlTransport(f"afd-{name}-{time.time_ns()}", role, rank, config, device=_device())
 

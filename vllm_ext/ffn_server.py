@@ -123,6 +123,7 @@ class FfnWorker:
             warmup_timeout_s=afd.warmup_timeout_s,
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
             attention_tp_size=afd.attention_tp_size,
+            num_stages=afd.num_stages,
         )
         spec = WorkerSpec(self.worker_id, Role.FFN, dp_rank=afd.ffn_rank, dp_size=num_ffn)
         self._link = PeerLink(access, spec, self._exchange, f"ffn rank {afd.ffn_rank}")
