@@ -1,0 +1,85 @@
+"""What the GPU benchmarks share: the DeepSeek-V3-shaped model with dummy weights, the
+plugin's entry point on machines where this checkout is not pip-installed, and the environment
+that pins each vLLM process to its GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def v3_shaped_config(layers: int) -> dict[str, Any]:
+    """DeepSeek-V3's layer shapes (its real vocabulary size too: the LM head is part of a step)."""
+    from vllm_ext.testing.tiny_deepseek import config_for
+
+    config = config_for(3, head_dim=128)
+    config.update(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        n_group=8,
+        topk_group=4,
+        torch_dtype="bfloat16",
+        max_position_embeddings=4096,
+    )
+    return config
+
+
+def write_v3_shaped(out: Path, layers: int) -> Path:
+    """config.json and a tokenizer; the weights are vLLM's dummy ones (--load-format dummy)."""
+    from vllm_ext.testing.tiny_deepseek import BOS_ID, EOS_ID, build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(v3_shaped_config(layers), indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
+    )
+    build_tokenizer(out)
+    return out
+
+
+def plugin_path(tmp: Path) -> str:
+    """A PYTHONPATH entry that declares the plugin's entry point (vllm.general_plugins) when
+    this checkout is not pip-installed (as on the GPU machines)."""
+    from importlib.metadata import entry_points
+
+    if any(ep.value.startswith("vllm_ext") for ep in entry_points(group="vllm.general_plugins")):
+        return ""
+    meta = tmp / "afd-meta" / "afd_ctl-0.1.0.dist-info"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: afd-ctl\nVersion: 0.1.0\n")
+    (meta / "entry_points.txt").write_text("[vllm.general_plugins]\nafd = vllm_ext:register\n")
+    return str(tmp / "afd-meta")
+
+
+def gpu_env(visible: str, extra_path: str) -> dict[str, str]:
+    """All GPUs stay visible (CUDA IPC between the processes needs both), in the order that
+    makes the wanted one this process's cuda:0."""
+    env = {
+        "CUDA_VISIBLE_DEVICES": visible,
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (extra_path, str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        )
+    return env
