@@ -2,7 +2,7 @@
 and `vllm serve --afd-role attention` on CUDA, against a colocated `vllm serve` of the same
 weights on the same GPU (greedy token ids compared one request at a time).
 
-    python tests/gpu/gpu_vllm_check.py --out DIR --group pairs|topologies|failure [--models 2,3]
+    python tests/gpu/gpu_vllm_check.py --out DIR --group pairs|topologies|failure [--models 2,3,qwen3]
 
 Groups (each fits one 10-minute device command). With two GPUs the attention server runs on
 cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
@@ -13,6 +13,8 @@ cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
 - topologies: (two GPUs) both servers on one GPU (V2, V3; eager and graphs) and attention
   DP=2 : 1 FFN; 1 attention : 2 FFN; the router gate on the attention side with CUDA graphs
   (its logits are a second graph input on the FFN side); `--load-format dummy` on both roles.
+- Qwen3-MoE (`--models qwen3`, tiny, made by vllm_ext/testing/tiny_qwen3_moe.py): pairs as above;
+  topologies: the gate on the attention side with graphs, and 1 attention : 2 FFN.
 - failure: kill -9 of the FFN server mid-request: a 503 that says why, /health 503, recovery
   once an FFN server is back.
 
@@ -387,21 +389,30 @@ def _status(url: str) -> int | None:
 
 
 # -- groups ----------------------------------------------------------------------------------
-def models_dir(out: Path, versions: list[int]) -> dict[int, Path]:
+MODELS = ("2", "3", "qwen3")  # --models: tiny DeepSeek-V2, -V3, tiny Qwen3-MoE
+
+
+def models_dir(out: Path, names: list[str]) -> dict[str, Path]:
     from vllm_ext.testing.tiny_deepseek import GPU_HEAD_DIM, build_tiny_deepseek
+    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
 
     root = out / "models"
     head_dim = {} if ON_CPU else {"head_dim": GPU_HEAD_DIM}
-    return {v: build_tiny_deepseek(root / f"tiny-v{v}", version=v, **head_dim) for v in versions}
+    return {
+        name: build_tiny_qwen3_moe(root / "tiny-qwen3-moe")
+        if name == "qwen3"
+        else build_tiny_deepseek(root / f"tiny-v{name}", version=int(name), **head_dim)
+        for name in names
+    }
 
 
-def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]]:
+def run_group(group: str, out: Path, names: list[str]) -> list[dict[str, Any]]:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     results = out / f"cases-{group}.jsonl"
-    models = models_dir(out, versions)
+    models = models_dir(out, names)
     jobs: list[Callable[[], Any]] = []
     for v, model in models.items():
-        label = f"deepseek-v{v}"
+        label = "qwen3-moe" if v == "qwen3" else f"deepseek-v{v}"
         if group == "pairs":
             for mode in MODES:  # every mode at once: the servers have their own ports
 
@@ -411,11 +422,17 @@ def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]
                 jobs.append(pair)
         elif group == "topologies":
 
-            def topologies(model: Path = model, label: str = label, v: int = v) -> None:
+            def topologies(model: Path = model, label: str = label, v: str = v) -> None:
+                if v == "qwen3":  # what differs from DeepSeek: its gate and expert split
+                    afd_case(out, results, model, label, "default", topology("2gpu"),
+                             gate="attention")  # fmt: skip
+                    afd_case(out, results, model, label, "eager", topology("2gpu-1-to-2"),
+                             ffn_ranks=2, ffn_gpus=(1, 0))  # fmt: skip
+                    return
                 if GPUS >= 2:
                     for mode in ("eager", "default"):
                         afd_case(out, results, model, label, mode, "1gpu", ffn_gpus=(0,))
-                if v == 2:
+                if v == "2":
                     if GPUS >= 2:
                         afd_case(out, results, model, label, "eager", "2gpu-dp2-to-1",
                                  attention_dp=2)  # fmt: skip
@@ -429,7 +446,7 @@ def run_group(group: str, out: Path, versions: list[int]) -> list[dict[str, Any]
 
             jobs.append(topologies)
         elif group == "failure":
-            if v == versions[0]:
+            if v == names[0]:
                 jobs.append(
                     lambda model=model, label=label: failure_case(out, results, model, label)
                 )
@@ -446,7 +463,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--group", required=True, choices=("pairs", "topologies", "failure"))
-    parser.add_argument("--models", default="2,3", help="tiny DeepSeek versions, e.g. 2,3")
+    parser.add_argument(
+        "--models", default="2,3", help=f"of {', '.join(MODELS)} (tiny DeepSeek V2/V3, Qwen3-MoE)"
+    )
     parser.add_argument("--modes", default=",".join(MODES), help="graph modes of the pairs group")
     args = parser.parse_args()
     MODES = tuple(args.modes.split(","))
@@ -459,7 +478,11 @@ def main() -> int:
     print(
         f"{GPUS} GPU(s): topologies {'2gpu (attention cuda:0, FFN cuda:1)' if GPUS > 1 else '1gpu (every server on cuda:0)'}"
     )
-    rows = run_group(args.group, args.out, [int(v) for v in args.models.split(",")])
+    names = args.models.split(",")
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+    rows = run_group(args.group, args.out, names)
     bad = [r["case"] for r in rows if not r.get("ok")]
     print(f"{args.group}: {len(rows) - len(bad)} of {len(rows)} cases ok; not ok: {bad}")
     return 1 if bad else 0
