@@ -49,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_setup import gpu_env, plugin_path, write_v3_shaped  # noqa: E402
+from benchmarks.gpu_setup import gpu_env, part_processes, plugin_path, write_v3_shaped  # noqa: E402
 from tests.procs import Daemon, Proc  # noqa: E402
 from vllm_ext.testing.procs import ffn_argv, offline_argv, vllm_env  # noqa: E402
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
@@ -83,8 +83,7 @@ def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ]  # fmt: skip
     if args.part == "colocated_2gpu":
         kwargs.update(tensor_parallel_size=2, enable_expert_parallel=True)
-    procs: list[Proc] = []
-    try:
+    with part_processes() as procs:
         if args.part == "afd":
             daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
             procs.append(daemon)
@@ -112,14 +111,7 @@ def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             procs[1].wait(60)
             match = STATS_RE.search(procs[1].log())
             report["ffn_stats"] = json.loads(match.group(1)) if match else {}
-        return report
-    except (AssertionError, RuntimeError):
-        for p in procs:
-            print(f"--- {p.log_path.name}\n{p.tail(40)}", file=sys.stderr)
-        raise
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    return report
 
 
 def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

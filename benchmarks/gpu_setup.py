@@ -1,13 +1,18 @@
-"""What the GPU benchmarks share: the DeepSeek-V3-shaped model with dummy weights, the
-plugin's entry point on machines where this checkout is not pip-installed, and the environment
-that pins each vLLM process to its GPU."""
+"""What the end-to-end benchmarks share: the DeepSeek-V3-shaped model with dummy weights, the
+plugin's entry point on machines where this checkout is not pip-installed, the environment
+that pins each vLLM process to its GPU, and the processes of one part."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tests.procs import Proc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,3 +88,19 @@ def gpu_env(visible: str, extra_path: str) -> dict[str, str]:
             p for p in (extra_path, str(ROOT), os.environ.get("PYTHONPATH", "")) if p
         )
     return env
+
+
+@contextlib.contextmanager
+def part_processes() -> Iterator[list[Proc]]:
+    """The processes one part starts (append them): if the part fails, their log tails go to
+    stderr; every one is stopped at the end."""
+    procs: list[Proc] = []
+    try:
+        yield procs
+    except (AssertionError, RuntimeError):
+        for p in procs:
+            print(f"--- {p.log_path.name}\n{p.tail(40)}", file=sys.stderr)
+        raise
+    finally:
+        for p in reversed(procs):
+            p.stop()

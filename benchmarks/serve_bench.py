@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_setup import gpu_env, plugin_path, write_v3_shaped  # noqa: E402
+from benchmarks.gpu_setup import gpu_env, part_processes, plugin_path, write_v3_shaped  # noqa: E402
 from tests.procs import Daemon, Proc  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     ffn_argv,
@@ -142,22 +142,14 @@ def run_part(part: str, args: argparse.Namespace, tmp: Path, out: Path) -> dict[
         model = write_v3_shaped(tmp / "model", args.layers)
     else:
         model = build_tiny_deepseek(tmp / "tiny-v2", version=2)
-    procs: list[Proc] = []
     started = time.monotonic()
-    try:
+    with part_processes() as procs:
         base_url = start_part(part, model, tmp, args, procs)
         runs = {}
         for c in args.concurrency:
             runs[str(c)] = bench(base_url, model, c, args, out / part)
             print(f"{part} concurrency {c}: {json.dumps(runs[str(c)])}", file=sys.stderr)
-        return {"concurrency": runs, "wall_s": round(time.monotonic() - started, 1)}
-    except (AssertionError, RuntimeError):
-        for p in procs:
-            print(f"--- {p.log_path.name}\n{p.tail(40)}", file=sys.stderr)
-        raise
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    return {"concurrency": runs, "wall_s": round(time.monotonic() - started, 1)}
 
 
 def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
