@@ -15,7 +15,8 @@ from afd_ctl.routing import Role
 from afd_data.errors import AfdBadInput
 from afd_data.v1 import blob_pb2
 
-BLOB_VERSION = 1
+# 2: stage-major slots (layout.py); a version-1 worker lays its slots out differently.
+BLOB_VERSION = 2
 MAX_BLOB_BYTES = 1 << 20  # the control plane refuses larger ones
 
 

@@ -60,7 +60,7 @@ class Peer:
         self.pos = pos  # index in this worker's peer list (rank order)
         self.agent_name = blob.agent_name
         self.label = label
-        self.stages = int(blob.shape.get("num_stages") or 1)  # micro-batches it carries
+        self.stages = 1  # micro-batches it carries (validate_peers sets it)
         self.table: RowTable | None = None
         self.dlist: Any = None
         # (slot, local row, remote row, rows) -> prepared WRITE handle, least recent first.
@@ -134,7 +134,7 @@ def validate_peers(
             ranks.index(spec.role_rank),
             f"{other.label} rank {spec.role_rank} (agent {blob.agent_name})",
         )
-        peer.table = table
+        peer.table, peer.stages = table, stages
         by_rank[spec.role_rank] = peer
     missing = [r for r in ranks if r not in by_rank]
     if missing:

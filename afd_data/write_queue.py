@@ -18,7 +18,7 @@ import numpy as np
 
 from afd_data.agent import NIXL_ERRORS
 from afd_data.config import TransportConfig
-from afd_data.errors import AfdPeerLost
+from afd_data.errors import AfdBadInput, AfdPeerLost
 from afd_data.layout import RowTable
 from afd_data.notify import Kind
 from afd_data.peers import Peer
@@ -101,6 +101,14 @@ class WriteQueue:
         self, peer: Peer, regions: tuple[int, ...], local_row: int, remote_row: int, rows: int
     ) -> Any:
         assert peer.table is not None
+        # Once per handle, never on the hot path: a row range past its region (a stage the
+        # peer does not carry is an empty region) would land in the next one.
+        for r in regions:
+            if remote_row + rows > peer.table.regions[r].rows:
+                raise AfdBadInput(
+                    f"{peer.label}: rows {remote_row}..{remote_row + rows} of region {r} "
+                    f"exceed its {peer.table.regions[r].rows} rows (a stage it does not carry?)"
+                )
         local = np.concatenate(
             [
                 np.arange(rows, dtype=np.int32) + (self._send_table.start(r) + local_row)
