@@ -21,7 +21,13 @@ stream waits for that. Two modes:
   baked in, compared for equality and reset by their owner at the end), replayed `--replays`
   times: the round trip the GPUs see with no host involvement at all.
 
-Every received row is checked after each mode. Prints one JSON line last.
+Every received row is checked after each mode. Prints one JSON line last (a graph mode that
+fails, e.g. a driver refusing stream memory operations in a capture, is reported in it, after
+the host-synced figures).
+
+A probe, not the transport: the two processes swap their tensors through torch.multiprocessing
+queues (its CUDA IPC sharing). A data plane built on this would carry the IPC handles in its
+protobuf registration blob.
 
     python benchmarks/gpu_flag_hop.py [--rows 128] [--hidden 7168]
 """
@@ -51,10 +57,15 @@ class StreamMemOps:
         for fn in (self._wait, self._write):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        # A device-to-device copy on one stream only (torch's cross-device copy_ also makes
+        # the other device's current stream wait, which a CUDA graph capture refuses).
+        self._copy = self._symbol(lib, "cuMemcpyDtoDAsync", "_v2")
+        self._copy.restype = ctypes.c_int
+        self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
 
     @staticmethod
-    def _symbol(lib: Any, name: str) -> Any:
-        for candidate in (f"{name}_v2", name):
+    def _symbol(lib: Any, name: str, suffix: str = "_v2") -> Any:
+        for candidate in (f"{name}{suffix}", name):
             try:
                 return getattr(lib, candidate)
             except AttributeError:
@@ -67,6 +78,13 @@ class StreamMemOps:
     def write(self, stream: Any, addr: int, value: int) -> None:
         self._check(
             self._write(stream.cuda_stream, addr, value, WRITE_DEFAULT), "cuStreamWriteValue32"
+        )
+
+    def copy(self, stream: Any, dst: Any, src: Any) -> None:
+        nbytes = src.numel() * src.element_size()
+        self._check(
+            self._copy(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream),
+            "cuMemcpyDtoDAsync",
         )
 
     @staticmethod
@@ -85,12 +103,12 @@ def ffn_side(args: argparse.Namespace, to_attention: Any, from_attention: Any) -
     flag = torch.zeros(8, dtype=torch.int32, device="cuda:1")
     to_attention.put((rows, flag))
     peer_rows, peer_flag = from_attention.get(timeout=60)
-    torch.cuda.synchronize()
+    enable_peer_access(torch, 1, 0)
     stream = torch.cuda.current_stream()
 
     def round_trip(value: int, mode: int) -> None:
         ops.wait(stream, flag.data_ptr(), value, mode)
-        peer_rows.copy_(rows, non_blocking=True)
+        ops.copy(stream, peer_rows, rows)
         ops.write(stream, peer_flag.data_ptr(), value)
 
     # Host-synced mode: every round trip is queued at once; the stream waits for each.
@@ -98,23 +116,41 @@ def ffn_side(args: argparse.Namespace, to_attention: Any, from_attention: Any) -
         round_trip(k, WAIT_GEQ)
     torch.cuda.synchronize()
     to_attention.put("host-synced done")
-    assert from_attention.get(timeout=60) == "graph"
+    if from_attention.get(timeout=60) != "graph":
+        return
+    rows.zero_()
     ops.write(stream, flag.data_ptr(), 0)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    capture = torch.cuda.Stream()
-    with torch.cuda.graph(graph, stream=capture):
-        for i in range(1, args.graph_iters + 1):
-            ops.wait(capture, flag.data_ptr(), i, WAIT_EQ)
-            peer_rows.copy_(rows, non_blocking=True)
-            if i == args.graph_iters:
-                ops.write(capture, flag.data_ptr(), 0)  # own flag reset before the last answer
-            ops.write(capture, peer_flag.data_ptr(), i)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        capture = torch.cuda.Stream()
+        with torch.cuda.graph(graph, stream=capture):
+            for i in range(1, args.graph_iters + 1):
+                ops.wait(capture, flag.data_ptr(), i, WAIT_EQ)
+                ops.copy(capture, peer_rows, rows)
+                if i == args.graph_iters:
+                    ops.write(capture, flag.data_ptr(), 0)  # own flag reset before the answer
+                ops.write(capture, peer_flag.data_ptr(), i)
+    except RuntimeError as exc:
+        to_attention.put(f"ffn capture failed: {exc}")
+        return
     to_attention.put("captured")
     for _ in range(args.replays):
         graph.replay()
     torch.cuda.synchronize()
     to_attention.put("graph done")
+
+
+def enable_peer_access(torch: Any, here: int, peer: int) -> None:
+    """Lets this process's GPU reach the peer's (torch enables peer access on its first
+    cross-device copies, both ways), so the driver's copies and flag writes into the peer's
+    mapped memory work."""
+    a = torch.zeros(1, device=f"cuda:{here}")
+    b = torch.zeros(1, device=f"cuda:{peer}")
+    b.copy_(a)
+    a.copy_(b)
+    torch.cuda.synchronize(here)
+    torch.cuda.synchronize(peer)
 
 
 def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
@@ -130,7 +166,7 @@ def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
     source = torch.randn(args.rows, args.hidden, device="cuda:0").to(torch.bfloat16)
     peer_rows, peer_flag = to_attention.get(timeout=120)
     from_attention.put((rows, flag))
-    torch.cuda.synchronize()
+    enable_peer_access(torch, 0, 1)
     stream = torch.cuda.current_stream()
     nbytes = rows.numel() * rows.element_size()
 
@@ -138,7 +174,7 @@ def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
     samples = []
     for k in range(1, args.iters + 1):
         t0 = time.perf_counter()
-        peer_rows.copy_(source, non_blocking=True)
+        ops.copy(stream, peer_rows, source)
         ops.write(stream, peer_flag.data_ptr(), k)
         ops.wait(stream, flag.data_ptr(), k, WAIT_GEQ)
         stream.synchronize()
@@ -148,7 +184,32 @@ def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
     warm = samples[len(samples) // 10 :]
     quantiles = statistics.quantiles([s * 1e6 for s in warm], n=100)
 
-    # Graph: graph_iters round trips per replay on each side.
+    result: dict[str, Any] = {
+        "benchmark": "gpu_flag_hop",
+        "rows": args.rows,
+        "hidden": args.hidden,
+        "bytes_each_way": nbytes,
+        "host_synced_rt_p50_us": round(quantiles[49], 1),
+        "host_synced_rt_p99_us": round(quantiles[98], 1),
+        "host_synced_samples": len(warm),
+        "host_synced_rows_ok": host_ok,
+    }
+    print(json.dumps(result), flush=True)
+    try:
+        result.update(graph_mode(args, torch, ops, rows, flag, source, peer_rows, peer_flag,
+                                 to_attention, from_attention))  # fmt: skip
+    except (RuntimeError, AssertionError) as exc:
+        result["graph_error"] = str(exc)[:500]
+    ffn.join(60)
+    result["ffn_exit_code"] = ffn.exitcode
+    return result
+
+
+def graph_mode(args: argparse.Namespace, torch: Any, ops: StreamMemOps, rows: Any, flag: Any,
+               source: Any, peer_rows: Any, peer_flag: Any, to_attention: Any,
+               from_attention: Any) -> dict[str, Any]:  # fmt: skip
+    """graph_iters round trips per replay, captured on each side; the round trip per replay."""
+    stream = torch.cuda.current_stream()
     rows.zero_()
     ops.write(stream, flag.data_ptr(), 0)
     torch.cuda.synchronize()
@@ -157,11 +218,13 @@ def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
     capture = torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=capture):
         for i in range(1, args.graph_iters + 1):
-            peer_rows.copy_(source, non_blocking=True)
+            ops.copy(capture, peer_rows, source)
             ops.write(capture, peer_flag.data_ptr(), i)
             ops.wait(capture, flag.data_ptr(), i, WAIT_EQ)
         ops.write(capture, flag.data_ptr(), 0)
-    assert to_attention.get(timeout=120) == "captured"
+    answer = to_attention.get(timeout=120)
+    if answer != "captured":
+        raise RuntimeError(answer)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     per_replay = []
     for _ in range(args.replays):
@@ -171,24 +234,13 @@ def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
         end.synchronize()
         per_replay.append(start.elapsed_time(end) * 1e3 / args.graph_iters)
     assert to_attention.get(timeout=120) == "graph done"
-    graph_ok = bool(torch.equal(rows, source))
-    ffn.join(60)
-    warm_graph = per_replay[len(per_replay) // 10 :] or per_replay
+    warm = per_replay[len(per_replay) // 10 :] or per_replay
     return {
-        "benchmark": "gpu_flag_hop",
-        "rows": args.rows,
-        "hidden": args.hidden,
-        "bytes_each_way": nbytes,
-        "host_synced_rt_p50_us": round(quantiles[49], 1),
-        "host_synced_rt_p99_us": round(quantiles[98], 1),
-        "host_synced_samples": len(warm),
-        "host_synced_rows_ok": host_ok,
-        "graph_rt_us": round(statistics.median(warm_graph), 2),
-        "graph_rt_min_us": round(min(warm_graph), 2),
+        "graph_rt_us": round(statistics.median(warm), 2),
+        "graph_rt_min_us": round(min(warm), 2),
         "graph_iters_per_replay": args.graph_iters,
         "graph_replays": args.replays,
-        "graph_rows_ok": graph_ok,
-        "ffn_exit_code": ffn.exitcode,
+        "graph_rows_ok": bool(torch.equal(rows, source)),
     }
 
 
