@@ -80,10 +80,17 @@ class AttentionSession:
         self.num_layers: int = hf.num_hidden_layers
         self.hidden_size: int = hf.hidden_size
         self.dtype: torch.dtype = vllm_config.model_config.dtype
-        # The open step: its shape, this rank's rows, and how many layers it exchanged.
+        # The open step: its shape, this rank's rows per stage (micro-batch), how many layers
+        # each stage exchanged, and how many stage forwards have not ended yet.
         self._shape: StepShape | None = None
-        self._num_tokens = 0
-        self._layers_done = 0
+        self._stage_rows: list[int] = []
+        self._layers_done: list[int] = []
+        self._forwards_left = 0
+        # An AFD failure inside a micro-batch's thread (vLLM's dual-batch overlap does not
+        # carry a thread's exception out): raised on the runner's own thread after the forward.
+        self._stage_failure: BaseException | None = None
+        # (stage, hand-over) of the running micro-batch; vLLM's ubatching through compat.
+        self.micro_batch: Callable[[], tuple[int, Callable[[], None]]] = _micro_batch
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._link: PeerLink | None = None
         self._client: Any = None  # self._link.client
@@ -123,6 +130,9 @@ class AttentionSession:
             warmup_timeout_s=afd.warmup_timeout_s,
             router=model_split.router_columns(model_config.hf_config, model_config.dtype, afd.gate),
             attention_tp_size=self.tp_size,
+            # Two micro-batches per step under vLLM's dual-batch overlap; else the default
+            # (AFD_DATA_NUM_STAGES, 1).
+            num_stages=2 if self.vllm_config.parallel_config.enable_dbo else None,
         )
         spec = WorkerSpec(
             worker_id=self.worker_id,
@@ -192,13 +202,21 @@ class AttentionSession:
                 log.warning("afd attention %s: data plane close: %s", self.worker_id, exc)
 
     # -- per step ---------------------------------------------------------------------------
-    def open_step(self, num_tokens: int, across_dp: list[int] | None, flags: StepFlags) -> None:
+    def open_step(
+        self,
+        num_tokens: int,
+        across_dp: list[int] | None,
+        flags: StepFlags,
+        stage_tokens: list[int] | None = None,
+    ) -> None:
         """Opens a step as soon as its token counts are known: sizes the data plane, then (on a
         designated sender) publishes the AFDControlPayload. The runner calls it right after
         vLLM decided the step's padding, so the control hop overlaps with input preparation and
         the first attention layer instead of delaying the FFN side.
 
         `num_tokens`: rows this rank's model runs (padded); `across_dp`: every DP rank's.
+        `stage_tokens`: under dual-batch overlap, each micro-batch's rows (padded); vLLM pads
+        micro-batches alike on every DP rank, so every rank's count per stage is the same.
         Raises AfdStepFailed when the FFN side cannot serve this step (lost, not yet back):
         the engine fails the step's requests and stays up (vllm_ext.step_failures)."""
         if self._exchange is None or self._client is None:
@@ -206,8 +224,18 @@ class AttentionSession:
         if self._shape is not None:
             self._finish_abandoned_step()
         counts = self._counts(num_tokens, across_dp)
+        stage_rows = list(stage_tokens) if stage_tokens else [num_tokens]
+        if len(stage_rows) > 2:
+            raise RuntimeError(
+                f"afd: {len(stage_rows)} micro-batches in one step; the data plane carries 2"
+            )
+        stages = (
+            {s: [rows] * len(counts) for s, rows in enumerate(stage_rows)}
+            if stage_tokens
+            else {0: counts}
+        )
         self.step_id += 1
-        shape = StepShape(step_id=self.step_id, stages={0: counts}, warmup=flags.warmup)
+        shape = StepShape(step_id=self.step_id, stages=stages, warmup=flags.warmup)
         with _step_failures(self.step_id, recoverable=self.tp_size == 1, on_failure=self._failed):
             self._ensure_connected()
             # Data-plane state first (buffers for this step), then the control message; the
@@ -223,7 +251,10 @@ class AttentionSession:
                     is_graph_replaying=flags.is_graph_replaying,
                 )
                 self._client.publish(payload)
-            self._shape, self._num_tokens, self._layers_done = shape, num_tokens, 0
+            self._shape, self._stage_rows = shape, stage_rows
+            self._layers_done = [0] * len(stage_rows)
+            self._forwards_left = len(stage_rows)
+            self._stage_failure = None
             self._capturing = flags.is_graph_capturing
             self._count_flags(flags, counts)
         if self._profiler is not None:
@@ -241,35 +272,45 @@ class AttentionSession:
         self.flag_counts["capture_keys"] = len(self._capture_keys)
 
     def check_forward(self, num_tokens: int) -> None:
-        """At the model forward: the open step must be for exactly these rows."""
+        """At the model forward (each micro-batch's, under dual-batch overlap): the open step
+        must be for exactly these rows."""
         if self._shape is None:
             raise RuntimeError(
                 "afd: a model forward without an open AFD step (vLLM ran the model without "
                 "deciding its batch padding first); vllm_ext needs updating for this vLLM"
             )
-        if num_tokens != self._num_tokens:
+        stage, _ = self.micro_batch()
+        expected = self._stage_rows[stage] if stage < len(self._stage_rows) else None
+        if num_tokens != expected:
             raise RuntimeError(
-                f"afd: step {self.step_id}: the model runs {num_tokens} rows but the step was "
-                f"published for {self._num_tokens}; vllm_ext needs updating for this vLLM"
+                f"afd: step {self.step_id}: micro-batch {stage} runs {num_tokens} rows but the "
+                f"step was published for {self._stage_rows}; vllm_ext needs updating for this "
+                "vLLM"
             )
 
     def _finish_abandoned_step(self) -> None:
         """A step was published but its forward did not run every layer (it raised): the FFN
-        side waits for the rest, so send zeros for the remaining layers and drop the outputs."""
+        side waits for the rest, so send zeros for the remaining layers of every stage, in the
+        order the FFN side takes them (layer by layer, stage 0 first), and drop the outputs."""
         assert self._shape is not None and self._exchange is not None
-        step_id, rows = self._shape.step_id, self._num_tokens
+        step_id = self._shape.step_id
         log.warning(
-            "afd attention %s: step %d ended after %d of %d layers; completing it with zeros",
+            "afd attention %s: step %d ended after %s of %d layers per stage; completing it "
+            "with zeros",
             self.worker_id,
             step_id,
             self._layers_done,
             self.num_layers,
         )
-        zeros = torch.zeros(rows, self.hidden_size, dtype=self.dtype)
+        zeros = [torch.zeros(rows, self.hidden_size, dtype=self.dtype) for rows in self._stage_rows]
         try:
             with _step_failures(step_id):
-                for layer in range(self._layers_done, self.num_layers):
-                    self._exchange.exchange(layer, 0, zeros)
+                for layer in range(min(self._layers_done), self.num_layers):
+                    todo = [s for s, done in enumerate(self._layers_done) if done <= layer]
+                    for stage in todo:
+                        self._exchange.send(layer, stage, zeros[stage])
+                    for stage in todo:
+                        self._exchange.recv(layer, stage, zeros[stage])
                 self._exchange.end_step()
         except AfdStepFailed as exc:  # the next step reconnects if the FFN side is gone
             log.warning("afd attention %s: %s", self.worker_id, exc)
@@ -339,20 +380,60 @@ class AttentionSession:
     def exchange(
         self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
     ) -> torch.Tensor:
+        """One layer's FFN round trip for the running micro-batch. Under dual-batch overlap the
+        rows go out, the other micro-batch runs (its attention computes while the FFN side
+        computes these rows) until it yields back, then the output is taken."""
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
         if self._capturing:
             hidden_states = torch.zeros_like(hidden_states)
             router_logits = None if router_logits is None else torch.zeros_like(router_logits)
-        with _step_failures(
-            shape.step_id, layer_idx, recoverable=self.tp_size == 1, on_failure=self._failed
-        ):
-            out = exchange.exchange(layer_idx, 0, hidden_states, router_logits)
-        self._layers_done = layer_idx + 1
+        stage, hand_over = self.micro_batch()
+        overlapped = len(self._stage_rows) > 1
+        if overlapped and self._stage_failure is not None:
+            hand_over()  # the step failed in a micro-batch: keep the hand-overs paired
+            return torch.zeros_like(hidden_states)
+        handed_over = False
+        try:
+            with _step_failures(
+                shape.step_id, layer_idx, recoverable=self.tp_size == 1, on_failure=self._failed
+            ):
+                if not overlapped:
+                    out = exchange.exchange(layer_idx, stage, hidden_states, router_logits)
+                else:
+                    exchange.send(layer_idx, stage, hidden_states, router_logits)
+                    handed_over = True
+                    hand_over()
+                    out = exchange.recv(layer_idx, stage, hidden_states)
+        except Exception as exc:
+            if not overlapped:
+                raise
+            # A micro-batch's thread cannot fail the step itself (vLLM does not carry its
+            # exception out): the runner raises it after the forward (raise_stage_failure).
+            # Zeros let this micro-batch finish so the other one is not left waiting.
+            self._stage_failure = exc
+            if not handed_over:
+                hand_over()
+            return torch.zeros_like(hidden_states)
+        self._layers_done[stage] = layer_idx + 1
         return out
 
+    def raise_stage_failure(self) -> None:
+        """On the runner's thread after the model forward: a micro-batch's failure fails the
+        step here (see exchange)."""
+        failure, self._stage_failure = self._stage_failure, None
+        if failure is not None:
+            raise failure
+
     def end_step(self) -> None:
+        """After the model forward; under dual-batch overlap after each micro-batch's, and the
+        step ends with the last."""
+        self._forwards_left -= 1
+        if self._forwards_left > 0:
+            return
+        if self._stage_failure is not None:
+            return  # the step is abandoned: the next open_step completes it
         if self._exchange is not None and self._shape is not None:
             with _step_failures(
                 self._shape.step_id, recoverable=self.tp_size == 1, on_failure=self._failed
@@ -380,6 +461,12 @@ class AttentionSession:
         else:
             reason = "other"
         self._metrics.failed_step(reason)
+
+
+def _micro_batch() -> tuple[int, Callable[[], None]]:
+    from vllm_ext import compat
+
+    return compat.seams().micro_batch()
 
 
 def _tp_rank() -> int:

@@ -74,6 +74,14 @@ class AfdAttentionRunnerMixin:
         self._afd_session.open_step(num_tokens, across_dp, flags)
         return result
 
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's model call, on the runner's thread: a failure inside a micro-batch's thread
+        (dual-batch overlap) fails the step here, before its outputs are sampled."""
+        output = super()._model_forward(*args, **kwargs)  # type: ignore[misc]
+        assert self._afd_session is not None
+        self._afd_session.raise_stage_failure()
+        return output
+
     def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         assert self._afd_session is not None
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)

@@ -208,6 +208,8 @@ class AttentionExchange(_Exchange):
         self.post_s = self.wait_s = 0.0
         self.exchanges = 0
         self.metrics: AttentionMetrics | None = None  # afd_hop_seconds and the byte counts
+        # Per stage: when its rows left and how many bytes went (for the hop metrics).
+        self._sent: dict[int, tuple[float, int, int]] = {}
 
     def stats(self) -> dict[str, float]:
         n = max(1, self.exchanges)
@@ -224,7 +226,19 @@ class AttentionExchange(_Exchange):
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`router_logits`: with the gate on the attention side, this MoE layer's logits (a
+        """One layer's round trip: `send`, then `recv`."""
+        self.send(layer, stage, hidden_states, router_logits)
+        return self.recv(layer, stage, hidden_states)
+
+    def send(
+        self,
+        layer: int,
+        stage: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+    ) -> None:
+        """Stages this layer's rows in the registered buffer and posts them to the FFN peers.
+        `router_logits`: with the gate on the attention side, this MoE layer's logits (a
         dense layer sends zeros in those columns)."""
         t0 = time.perf_counter()
         n = hidden_states.shape[0]
@@ -239,20 +253,29 @@ class AttentionExchange(_Exchange):
         elif router_logits is not None:
             raise RuntimeError("afd: router logits given but the data plane carries none")
         self.transport.send_hidden(layer, stage, staged, staged_router)
-        t1 = time.perf_counter()
-        outputs = self.transport.recv_outputs(layer, stage, timeout_s=self.wait_bound_s)
-        t2 = time.perf_counter()
-        self.post_s += t1 - t0
-        self.wait_s += t2 - t1
-        self.exchanges += 1
-        out = _tensor(outputs[0], self.dtype)[:n].clone()
-        for extra in outputs[1:]:  # expert-parallel FFN ranks: partial sums
-            out.add_(_tensor(extra, self.dtype)[:n])
+        self.post_s += time.perf_counter() - t0
         if self.metrics is not None:
             row = hidden_states.element_size() * (hidden_states.numel() // max(1, n))
             sent = row + (0 if router_logits is None else router_logits[:1].nbytes)
-            self.metrics.hop(t2 - t0, n * sent * len(outputs), n * row * len(outputs))
-        return out.view_as(hidden_states)
+            self._sent[stage] = (t0, n * sent, n * row)
+
+    def recv(self, layer: int, stage: int, like: torch.Tensor) -> torch.Tensor:
+        """Waits for this layer's output from every FFN peer and sums them (expert-parallel
+        FFN ranks return partial sums); shaped like the rows sent (`like`)."""
+        t1 = time.perf_counter()
+        outputs = self.transport.recv_outputs(layer, stage, timeout_s=self.wait_bound_s)
+        t2 = time.perf_counter()
+        self.wait_s += t2 - t1
+        self.exchanges += 1
+        n = like.shape[0]
+        out = _tensor(outputs[0], self.dtype)[:n].clone()
+        for extra in outputs[1:]:
+            out.add_(_tensor(extra, self.dtype)[:n])
+        sent = self._sent.pop(stage, None)
+        if self.metrics is not None and sent is not None:
+            t0, sent_bytes, row_bytes = sent
+            self.metrics.hop(t2 - t0, sent_bytes * len(outputs), row_bytes * len(outputs))
+        return out.view_as(like)
 
 
 class FfnExchange(_Exchange):

@@ -58,6 +58,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         ("self", "num_tokens", "is_profile", "is_graph_capturing"),
     ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model", ("self",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward", ("self",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", ("self",)),
     ("vllm.model_executor.models.deepseek_v2", "DeepseekV2DecoderLayer.__init__", ("self",)),
     (
@@ -147,6 +148,9 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     ("vllm.distributed.parallel_state", "model_parallel_is_initialized", ()),
     ("vllm.v1.worker.workspace", "init_workspace_manager", ("device", "num_ubatches")),
+    ("vllm.v1.worker.ubatching", "dbo_enabled", ()),
+    ("vllm.v1.worker.ubatching", "dbo_current_ubatch_id", ()),
+    ("vllm.v1.worker.ubatching", "dbo_yield", ()),
     ("vllm.distributed", "get_tensor_model_parallel_rank", ()),
     ("vllm.v1.engine", "EngineCoreOutput", ()),
     ("vllm.v1.engine", "EngineCoreOutputs", ()),
@@ -414,3 +418,18 @@ def tensor_parallel_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
+
+
+def _stay() -> None:
+    """Outside micro-batching there is no other micro-batch to hand over to."""
+
+
+def micro_batch() -> tuple[int, Callable[[], None]]:
+    """The micro-batch this thread runs under vLLM's dual-batch overlap (one thread per
+    micro-batch, one running at a time) and the call that lets the other one run until it
+    yields back; (0, a no-op) outside micro-batching."""
+    from vllm.v1.worker import ubatching
+
+    if not ubatching.dbo_enabled():
+        return 0, _stay
+    return ubatching.dbo_current_ubatch_id(), ubatching.dbo_yield
