@@ -169,3 +169,30 @@ def test_a_model_no_family_splits_is_refused_with_the_supported_list(
     supported = "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Qwen3MoeForCausalLM"
     with pytest.raises(ValueError, match=f"AFD supports {supported}.*Qwen3ForCausalLM"):
         EngineArgs(model=str(model), dtype="float32", additional_config=afd).create_engine_config()
+
+
+def test_dual_batch_overlap_settings_are_checked_naming_what_to_change() -> None:
+    """--enable-dbo on the attention role: two micro-batches per step, attention DP >= 2, and
+    (until checked on a GPU) an explicit opt-in; never on the FFN role. vLLM's CPU build
+    drops --enable-dbo itself, so the check is called here on vLLM's own ParallelConfig."""
+    from vllm.config import ParallelConfig
+
+    from vllm_ext.config import AfdConfig
+    from vllm_ext.hooks import _check_micro_batching
+
+    def afd(role: str, **extra: object) -> AfdConfig:
+        return AfdConfig(controller="h:1", role=role, **extra)
+
+    dp2 = ParallelConfig(enable_dbo=True, data_parallel_size=2)
+    cases = [
+        (dp2, afd("ffn"), "drop --enable-dbo / --ubatch-size from the FFN server"),
+        (ParallelConfig(ubatch_size=3, data_parallel_size=2), afd("attention"),
+         "use --enable-dbo, not --ubatch-size 3"),
+        (ParallelConfig(enable_dbo=True), afd("attention", experimental_dbo=True),
+         "--data-parallel-size 2 or more"),
+        (dp2, afd("attention"), "experimental_dbo"),
+    ]  # fmt: skip
+    for parallel, config, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _check_micro_batching(parallel, config)
+    _check_micro_batching(dp2, afd("attention", experimental_dbo=True))  # accepted

@@ -65,13 +65,19 @@ class AfdAttentionRunnerMixin:
         builds attention metadata and inputs: the AFD step opens now, so its payload travels
         while the attention side prepares. Both execute_model and _dummy_run pass here."""
         result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
-        num_tokens, across_dp, graph_mode = compat.seams().padding_decision(result)
-        replaying = graph_mode != "NONE"
+        seams = compat.seams()
+        num_tokens, across_dp, graph_mode = seams.padding_decision(result)
         flags = self._afd_flags or StepFlags()
-        if not flags.is_graph_capturing and replaying:
+        stage_tokens = None
+        if seams.micro_batched(result):
+            # Dual-batch overlap: vLLM splits the padded rows in two (the second half takes
+            # the odd row) and runs the micro-batches eagerly (it captures micro-batched
+            # graphs only in FULL mode, which AFD does not use).
+            stage_tokens = [num_tokens // 2, num_tokens - num_tokens // 2]
+        elif not flags.is_graph_capturing and graph_mode != "NONE":
             flags = flags.replaying()
         assert self._afd_session is not None
-        self._afd_session.open_step(num_tokens, across_dp, flags)
+        self._afd_session.open_step(num_tokens, across_dp, flags, stage_tokens)
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -72,6 +72,7 @@ class FfnWorker:
             enabled=not vllm_config.model_config.enforce_eager,
         )
         self.steps = 0
+        self.two_stage_steps = 0  # steps the attention side ran as two micro-batches
         # Seconds spent waiting for attention rows, computing, and writing back.
         self.recv_s = self.compute_s = self.send_s = 0.0
         # The same split for each of the last STAT_WINDOW steps (medians: a typical step,
@@ -289,6 +290,7 @@ class FfnWorker:
         n = max(1, self.steps)
         stats = {
             "steps": self.steps,
+            "two_stage_steps": self.two_stage_steps,
             "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
             "compute_ms_per_step": 1e3 * self.compute_s / n,
             "send_ms_per_step": 1e3 * self.send_s / n,
@@ -360,6 +362,7 @@ class FfnWorker:
         self._recent.append((recv_s, compute_s, send_s))
         self._metrics.step(compute_s, recv_s, self.graphs.mode)
         self.steps += 1
+        self.two_stage_steps += len(stages) > 1
         if self._profiler is not None:
             self._profiler.step(payload.step_id)
         if self.steps == 1 or self.steps % 1000 == 0:

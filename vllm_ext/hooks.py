@@ -159,6 +159,7 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
             if pinned:
                 log.info("afd attention: %s", pinned)
             _piecewise_graphs_only(self)
+            _micro_batching_backend(self, afd)
         if afd.role is Role.ATTENTION and not self.shutdown_timeout:
             # With vLLM's default (0: abort) the API server kills the engine core at once on
             # SIGTERM, before its workers can publish `stop`; a short drain lets them, so the
@@ -177,6 +178,25 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
         return config
 
     engine_args_cls.create_engine_config = create_engine_config
+
+
+def _micro_batching_backend(engine_args: Any, afd: AfdConfig) -> None:
+    """vLLM's config refuses micro-batching (--enable-dbo) unless the all2all backend is one
+    that overlaps (DeepEP, nixl_ep). An AFD attention server has no MoE and so no all2all: the
+    backend is named only to pass that check (validate says what else DBO needs)."""
+    if not getattr(engine_args, "enable_dbo", False) or not afd.experimental_dbo:
+        return
+    if engine_args.all2all_backend not in MICRO_BATCHING_BACKENDS:
+        log.info(
+            "afd attention: --all2all-backend %s for --enable-dbo (no MoE on this side, so "
+            "no all2all runs)",
+            MICRO_BATCHING_BACKENDS[0],
+        )
+        engine_args.all2all_backend = MICRO_BATCHING_BACKENDS[0]
+
+
+# The all2all backends vLLM's micro-batching accepts (vllm/config/vllm.py).
+MICRO_BATCHING_BACKENDS = ("deepep_low_latency", "deepep_high_throughput", "nixl_ep")
 
 
 # The attention model's AFD exchange op (vllm_ext.model_split): a host-driven NIXL transfer.
@@ -245,10 +265,7 @@ def validate(vllm_config: Any, afd: AfdConfig) -> None:
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("AFD does not support --pipeline-parallel-size > 1")
     if getattr(parallel, "use_ubatching", False):
-        raise ValueError(
-            "AFD does not support vLLM's micro-batching yet (--enable-dbo / --ubatch-size > 1): "
-            "its two stages would need one AFD payload with two stages per step"
-        )
+        _check_micro_batching(parallel, afd)
     if afd.role is Role.FFN and parallel.data_parallel_size != 1:
         raise ValueError("an AFD FFN server runs one rank: start one server per FFN rank")
     if afd.role is Role.ATTENTION and parallel.worker_cls != ATTENTION_WORKER_CLS:
@@ -256,6 +273,33 @@ def validate(vllm_config: Any, afd: AfdConfig) -> None:
             "AFD attention role with --worker-cls %s: that class must subclass %s",
             parallel.worker_cls,
             ATTENTION_WORKER_CLS,
+        )
+
+
+def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
+    """Dual-batch overlap (--enable-dbo) on the attention role: two micro-batches per step,
+    each a stage of the AFD payload; the FFN server follows them without a flag."""
+    if afd.role is Role.FFN:
+        raise ValueError(
+            "an AFD FFN server follows the attention servers' micro-batches by itself: drop "
+            "--enable-dbo / --ubatch-size from the FFN server"
+        )
+    if not parallel.enable_dbo or parallel.num_ubatches != 2:
+        raise ValueError(
+            "AFD carries two micro-batches per step: use --enable-dbo, not --ubatch-size "
+            f"{parallel.ubatch_size}"
+        )
+    if parallel.data_parallel_size < 2:
+        raise ValueError(
+            "vLLM micro-batches only across data-parallel ranks (its ubatch decision and DP "
+            "metadata need --data-parallel-size >= 2): run the attention server with "
+            "--data-parallel-size 2 or more for --enable-dbo"
+        )
+    if not afd.experimental_dbo:
+        raise ValueError(
+            "AFD with --enable-dbo is built (attention DP >= 2) but not yet checked on a GPU: "
+            'opt in with --additional-config \'{"afd": {"experimental_dbo": true}}\' '
+            "(vllm_ext/README.md, Limits now)"
         )
 
 

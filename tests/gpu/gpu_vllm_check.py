@@ -11,7 +11,8 @@ cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
   each against colocated vLLM in the same graph mode. The FFN server's capture/replay/eager
   counts are checked against the attention side's (they must follow the same flags).
 - topologies: (two GPUs) both servers on one GPU (V2, V3; eager and graphs) and attention
-  DP=2 : 1 FFN; 1 attention : 2 FFN; the router gate on the attention side with CUDA graphs
+  DP=2 : 1 FFN, also with dual-batch overlap (`--enable-dbo`, eager and graphs: the FFN side
+  must see two-stage steps); 1 attention : 2 FFN; the router gate on the attention side with CUDA graphs
   (its logits are a second graph input on the FFN side); `--load-format dummy` on both roles.
 - Qwen3-MoE (`--models qwen3`, tiny, made by vllm_ext/testing/tiny_qwen3_moe.py): pairs as above;
   topologies: the gate on the attention side with graphs, and 1 attention : 2 FFN.
@@ -245,8 +246,10 @@ def colocated(out: Path, results: Path, model: Path, label: str, mode: str,
 def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topology: str,
              *, attention_dp: int = 1, ffn_ranks: int = 1, ffn_gpus: tuple[int, ...] = (1,),
              load_format: str | None = None, gate: str | None = None,
-             compare_to_colocated: bool = True) -> dict[str, Any]:  # fmt: skip
-    name = f"afd-{label}-{topology}-{mode}" + "".join(f"-{x}" for x in (load_format, gate) if x)
+             compare_to_colocated: bool = True, dbo: bool = False) -> dict[str, Any]:  # fmt: skip
+    name = f"afd-{label}-{topology}-{mode}" + "".join(
+        f"-{x}" for x in (load_format, gate, "dbo" if dbo else None) if x
+    )
     case = Case(out, name, model=label, topology=topology,
                 cudagraph_mode=("FULL_AND_PIECEWISE (vLLM default)" if mode == "default"
                                 else mode.upper()))  # fmt: skip
@@ -272,6 +275,12 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         extra = ["--afd-role", "attention", "--afd-controller", daemon.address]
         if attention_dp > 1:
             extra += ["--data-parallel-size", str(attention_dp)]
+        if dbo:  # dual-batch overlap from two tokens per DP rank on (vLLM's default: 32)
+            case.row["dbo"] = True
+            afd = {"experimental_dbo": True, **({"gate": gate} if gate else {})}
+            extra += ["--enable-dbo", "--dbo-decode-token-threshold", "2",
+                      "--dbo-prefill-token-threshold", "2",
+                      "--additional-config", json.dumps({"afd": afd})]  # fmt: skip
         attention, port = serve(case, model, "attention", flags, order(0), *extra)
         ready(attention, port)
         got = generate(port, model)
@@ -292,6 +301,8 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         case.row["afd_graph_note"] = _graph_note(attention.log())
         case.row["graphs_follow_flags"] = graphs_follow_flags(case.row, mode)
         case.row["ok"] = bool(case.row.get("identical_tokens", case.row.get("answered")))
+        if dbo:  # the FFN side must have seen two-stage steps
+            case.row["ok"] &= any(s.get("two_stage_steps", 0) > 0 for s in case.row["ffn_stats"])
     except Exception as exc:
         case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:3000])
     return case.finish(results)
@@ -436,6 +447,9 @@ def run_group(group: str, out: Path, names: list[str]) -> list[dict[str, Any]]:
                     if GPUS >= 2:
                         afd_case(out, results, model, label, "eager", "2gpu-dp2-to-1",
                                  attention_dp=2)  # fmt: skip
+                        for mode in ("eager", "default"):  # dual-batch overlap
+                            afd_case(out, results, model, label, mode, "2gpu-dp2-to-1",
+                                     attention_dp=2, dbo=True)  # fmt: skip
                     afd_case(out, results, model, label, "default", topology("2gpu"),
                              gate="attention")  # fmt: skip
                 else:

@@ -297,6 +297,18 @@ def padding_decision(result: tuple) -> tuple[int, list[int] | None, str]:
     return int(desc.num_tokens), rows, getattr(mode, "name", "NONE")
 
 
+def micro_batched(result: tuple) -> bool:
+    """Whether vLLM decided to run this step as micro-batches (dual-batch overlap): the bool
+    in what _determine_batch_execution_and_padding returned (see padding_decision)."""
+    flags = [r for r in result if isinstance(r, bool)]
+    if len(flags) != 1:
+        raise RuntimeError(
+            "vLLM's _determine_batch_execution_and_padding returned no single ubatch flag; "
+            "vllm_ext (AFD) needs updating for this vLLM"
+        )
+    return flags[0]
+
+
 def pin_v1_model_runner() -> str | None:
     """The AFD attention runner subclasses vLLM's V1 GPU runner; vLLM 0.26+ picks Model Runner
     V2 by default for some architectures (vllm/config/vllm.py `use_v2_model_runner`, which
