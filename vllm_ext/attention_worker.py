@@ -65,11 +65,10 @@ class AfdAttentionRunnerMixin:
         builds attention metadata and inputs: the AFD step opens now, so its payload travels
         while the attention side prepares. Both execute_model and _dummy_run pass here."""
         result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
-        seams = compat.seams()
-        num_tokens, across_dp, graph_mode = seams.padding_decision(result)
+        num_tokens, across_dp, graph_mode, micro_batched = compat.seams().padding_decision(result)
         flags = self._afd_flags or StepFlags()
         stage_tokens = None
-        if seams.micro_batched(result):
+        if micro_batched:
             # Dual-batch overlap: vLLM splits the padded rows in two (the second half takes
             # the odd row) and runs the micro-batches eagerly (it captures micro-batched
             # graphs only in FULL mode, which AFD does not use).

@@ -278,35 +278,25 @@ def runner_class_swapped(make_runner_cls: Callable[[type], type]) -> Iterator[No
         setattr(module, name, original)
 
 
-def padding_decision(result: tuple) -> tuple[int, list[int] | None, str]:
-    """(padded rows, every DP rank's rows or None, CUDA graph runtime mode name) from what
-    GPUModelRunner._determine_batch_execution_and_padding returned: (cudagraph mode, batch
-    descriptor, ubatch flag, num_tokens_across_dp, stats) on both lines; read by type, not by
-    position, so a reordering fails clearly instead of silently."""
+def padding_decision(result: tuple) -> tuple[int, list[int] | None, str, bool]:
+    """(padded rows, every DP rank's rows or None, CUDA graph runtime mode name, whether the
+    step runs as micro-batches) from what GPUModelRunner._determine_batch_execution_and_padding
+    returned: (cudagraph mode, batch descriptor, ubatch flag, num_tokens_across_dp, stats) on
+    both lines; read by type, not by position, so a reordering fails clearly instead of
+    silently."""
     import torch
 
     desc = next((r for r in result if type(r).__name__ == "BatchDescriptor"), None)
     mode = next((r for r in result if type(r).__name__ == "CUDAGraphMode"), None)
-    if desc is None:
+    ubatch = [r for r in result if isinstance(r, bool)]
+    if desc is None or len(ubatch) != 1:
         raise RuntimeError(
-            "vLLM's _determine_batch_execution_and_padding returned no BatchDescriptor; "
-            "vllm_ext (AFD) needs updating for this vLLM"
+            "vLLM's _determine_batch_execution_and_padding returned no BatchDescriptor or no "
+            "single ubatch flag; vllm_ext (AFD) needs updating for this vLLM"
         )
     across = next((r for r in result if isinstance(r, torch.Tensor)), None)
     rows = None if across is None else [int(n) for n in across.tolist()]
-    return int(desc.num_tokens), rows, getattr(mode, "name", "NONE")
-
-
-def micro_batched(result: tuple) -> bool:
-    """Whether vLLM decided to run this step as micro-batches (dual-batch overlap): the bool
-    in what _determine_batch_execution_and_padding returned (see padding_decision)."""
-    flags = [r for r in result if isinstance(r, bool)]
-    if len(flags) != 1:
-        raise RuntimeError(
-            "vLLM's _determine_batch_execution_and_padding returned no single ubatch flag; "
-            "vllm_ext (AFD) needs updating for this vLLM"
-        )
-    return flags[0]
+    return int(desc.num_tokens), rows, getattr(mode, "name", "NONE"), ubatch[0]
 
 
 def pin_v1_model_runner() -> str | None:
