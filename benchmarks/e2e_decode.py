@@ -28,6 +28,11 @@ Decode TPOT at several batch sizes, each part in one engine:
     python benchmarks/e2e_decode.py --gpu --part colocated_1gpu --state S.json  # (a) cuda:0
     python benchmarks/e2e_decode.py --gpu --part afd --state S.json             # (b) 1:1
     python benchmarks/e2e_decode.py --gpu --part colocated_2gpu --state S.json  # (c) TP=2+EP
+    python benchmarks/e2e_decode.py --gpu --part afd_dbo --state S.json         # (b) with DBO
+
+`afd_dbo` is (b) with dual-batch overlap (`--enable-dbo`, vLLM's decode threshold of 32 rows:
+smaller batches run as one micro-batch). `--one-gpu` puts AFD's two servers on cuda:0 (a
+check of the path where only one GPU is lent; its figures are not the comparison).
 
 Each part adds its figures to S.json (a part takes a few minutes, so each fits one call on a
 machine with a per-command limit); once all three are there, the JSON line compares them.
@@ -55,7 +60,11 @@ from vllm_ext.testing.procs import ffn_argv, offline_argv, vllm_env  # noqa: E40
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
 STATS_RE = re.compile(r"afd ffn \S+: stats (\{.*\})")
-GPU_PARTS = ("colocated_1gpu", "afd", "colocated_2gpu")
+GPU_PARTS = ("colocated_1gpu", "afd", "afd_dbo", "colocated_2gpu")
+# --one-gpu: the AFD servers share cuda:0. Memory shares of the one GPU (the FFN server holds
+# every expert) and a fixed KV cache, since both servers start at once and vLLM's profiling
+# would count the other's allocations as its own.
+ONE_GPU_FFN_MEMORY, ONE_GPU_ATTENTION_MEMORY, ONE_GPU_KV_CACHE_BYTES = 0.5, 0.35, 8 << 30
 
 
 def gpu_llm_kwargs(max_batch: int, memory: float) -> dict[str, Any]:
@@ -81,32 +90,46 @@ def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "--gpu", "--bench-decode", str(args.tokens), "--repeats", str(args.repeats),
         "--batches", args.batches,
     ]  # fmt: skip
+    afd_part = args.part.startswith("afd")
     if args.part == "colocated_2gpu":
+        if args.one_gpu:
+            raise SystemExit("colocated_2gpu needs two GPUs; drop --one-gpu")
         kwargs.update(tensor_parallel_size=2, enable_expert_parallel=True)
+    # Attention (or colocated) on cuda:0, the FFN server on cuda:1; both visible, for CUDA IPC.
+    main_gpus, ffn_gpus = ("0", "0") if args.one_gpu else ("0,1", "1,0")
     with part_processes() as procs:
-        if args.part == "afd":
+        if afd_part:
+            ffn_memory = ONE_GPU_FFN_MEMORY if args.one_gpu else args.gpu_memory
             daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
             procs.append(daemon)
             ffn_flags = [
                 "--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "1024",
                 "--max-num-seqs", str(max(batches)),
                 "--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"]),
-                "--gpu-memory-utilization", str(args.gpu_memory),
+                "--gpu-memory-utilization", str(ffn_memory),
             ]  # fmt: skip
             argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
                     "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags]  # fmt: skip
-            procs.append(Proc(argv, tmp / "ffn.log", gpu_env("1,0", extra)))
-            kwargs["additional_config"] = {
-                "afd": {"role": "attention", "controller": daemon.address}
-            }
+            procs.append(Proc(argv, tmp / "ffn.log", gpu_env(ffn_gpus, extra)))
+            afd: dict[str, Any] = {"role": "attention", "controller": daemon.address}
+            if args.part == "afd_dbo":  # dual-batch overlap from vLLM's decode threshold on
+                kwargs["enable_dbo"] = True
+                afd["experimental_dbo"] = True
+            kwargs["additional_config"] = {"afd": afd}
+            if args.one_gpu:
+                kwargs.update(
+                    gpu_memory_utilization=ONE_GPU_ATTENTION_MEMORY,
+                    kv_cache_memory_bytes=ONE_GPU_KV_CACHE_BYTES,
+                )
         main_proc = Proc(
             offline_argv(model, *bench, "--llm-kwargs", json.dumps(kwargs)),
             tmp / f"{args.part}.log",
-            gpu_env("0,1", extra),
+            gpu_env(main_gpus, extra),
         )
         procs.append(main_proc)
         report = main_proc.json_report(timeout=args.timeout)
-        if args.part == "afd":
+        report["placement"] = "one GPU, shared" if args.one_gpu and afd_part else "own GPU(s)"
+        if afd_part:
             main_proc.wait(120)  # its exit publishes stop: the FFN server logs its stats
             procs[1].wait(60)
             match = STATS_RE.search(procs[1].log())
@@ -124,7 +147,13 @@ def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, An
         "repeats": args.repeats,
         "parts_done": [p for p in GPU_PARTS if p in state],
     }
-    gpus = {"colocated_1gpu": 1, "afd": 2, "colocated_2gpu": 2}
+    gpus = {"colocated_1gpu": 1, "afd": 2, "afd_dbo": 2, "colocated_2gpu": 2}
+    shared = [
+        p for p in ("afd", "afd_dbo") if state.get(p, {}).get("placement") == "one GPU, shared"
+    ]
+    if shared:  # both AFD servers on one GPU: tokens/s per GPU counts the one
+        gpus.update(dict.fromkeys(shared, 1))
+        result["afd_on_one_gpu"] = shared
     for batch in args.batches.split(","):
         row: dict[str, Any] = {}
         for part in GPU_PARTS:
@@ -135,21 +164,34 @@ def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, An
             row[f"tokens_per_s_per_gpu_{part}"] = round(
                 figures["decode_tokens_per_s"] / gpus[part], 1
             )
-            if part == "afd":
+            if part.startswith("afd") and "exchange_post_ms_per_step" in figures:
                 exchange = (
                     figures["exchange_post_ms_per_step"] + figures["exchange_wait_ms_per_step"]
                 )
-                row["afd_exchange_ms_per_step"] = round(exchange, 3)
-                row["afd_exchange_share_of_step"] = round(exchange / figures["tpot_ms"], 3)
-        if "tpot_ms_afd" in row and "tpot_ms_colocated_1gpu" in row:
-            row["ratio_tpot_afd_vs_colocated_1gpu"] = round(
-                row["tpot_ms_afd"] / row["tpot_ms_colocated_1gpu"], 3
-            )
+                row[f"{part}_exchange_ms_per_step"] = round(exchange, 3)
+                row[f"{part}_exchange_share_of_step"] = round(exchange / figures["tpot_ms"], 3)
+        for part in ("afd", "afd_dbo"):
+            if f"tpot_ms_{part}" in row and "tpot_ms_colocated_1gpu" in row:
+                row[f"ratio_tpot_{part}_vs_colocated_1gpu"] = round(
+                    row[f"tpot_ms_{part}"] / row["tpot_ms_colocated_1gpu"], 3
+                )
+        dbo_ids, afd_ids = (
+            state.get(p, {}).get("batches", {}).get(batch, {}).get("token_ids")
+            for p in ("afd_dbo", "afd")
+        )
+        if dbo_ids is not None and afd_ids is not None:  # same dummy weights in both runs
+            row["identical_tokens_afd_dbo_vs_afd"] = dbo_ids == afd_ids
+        if "tpot_ms_afd_dbo" in row and "tpot_ms_afd" in row:
+            row["ratio_tpot_afd_dbo_vs_afd"] = round(row["tpot_ms_afd_dbo"] / row["tpot_ms_afd"], 3)
         if "tokens_per_s_per_gpu_afd" in row and "tokens_per_s_per_gpu_colocated_2gpu" in row:
             row["ratio_tokens_per_gpu_afd_vs_colocated_2gpu"] = round(
                 row["tokens_per_s_per_gpu_afd"] / row["tokens_per_s_per_gpu_colocated_2gpu"], 3
             )
         result[f"batch_{batch}"] = row
+    same = [r["identical_tokens_afd_dbo_vs_afd"] for k, r in result.items()
+            if k.startswith("batch_") and "identical_tokens_afd_dbo_vs_afd" in r]  # fmt: skip
+    if same:
+        result["identical_tokens"] = all(same)
     ffn = state.get("afd", {}).get("ffn_stats", {})
     if ffn:
         result["ffn_compute_ms_median_all_steps"] = ffn.get("compute_ms_median")
@@ -188,6 +230,11 @@ def main() -> None:
     gpu.add_argument("--layers", type=int, default=4)
     gpu.add_argument("--gpu-memory", type=float, default=0.85)
     gpu.add_argument("--timeout", type=float, default=540.0, help="seconds for one part")
+    gpu.add_argument(
+        "--one-gpu", action="store_true",
+        help="AFD's two servers share cuda:0 (a check of the path on a one-GPU machine, not a "
+        "deployment: its figures are not the two-GPU comparison)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.gpu:
         if args.tokens == 128:

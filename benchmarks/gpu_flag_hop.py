@@ -94,16 +94,17 @@ class StreamMemOps:
 
 
 def ffn_side(args: argparse.Namespace, to_attention: Any, from_attention: Any) -> None:
-    """cuda:1: wait for the rows, copy them back into the attention side's rows, raise its flag."""
+    """cuda:1 (cuda:0 with --one-gpu): wait for the rows, copy them back into the attention side's rows, raise its flag."""
     import torch
 
-    torch.cuda.set_device(1)
+    here = args.ffn_device
+    torch.cuda.set_device(here)
     ops = StreamMemOps()
-    rows = torch.zeros(args.rows, args.hidden, dtype=torch.bfloat16, device="cuda:1")
-    flag = torch.zeros(8, dtype=torch.int32, device="cuda:1")
+    rows = torch.zeros(args.rows, args.hidden, dtype=torch.bfloat16, device=f"cuda:{here}")
+    flag = torch.zeros(8, dtype=torch.int32, device=f"cuda:{here}")
     to_attention.put((rows, flag))
     peer_rows, peer_flag = from_attention.get(timeout=60)
-    enable_peer_access(torch, 1, 0)
+    enable_peer_access(torch, here, 0)
     stream = torch.cuda.current_stream()
 
     def round_trip(value: int, mode: int) -> None:
@@ -144,7 +145,9 @@ def ffn_side(args: argparse.Namespace, to_attention: Any, from_attention: Any) -
 def enable_peer_access(torch: Any, here: int, peer: int) -> None:
     """Lets this process's GPU reach the peer's (torch enables peer access on its first
     cross-device copies, both ways), so the driver's copies and flag writes into the peer's
-    mapped memory work."""
+    mapped memory work. Nothing to do when both sides share one GPU."""
+    if here == peer:
+        return
     a = torch.zeros(1, device=f"cuda:{here}")
     b = torch.zeros(1, device=f"cuda:{peer}")
     b.copy_(a)
@@ -166,7 +169,7 @@ def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
     source = torch.randn(args.rows, args.hidden, device="cuda:0").to(torch.bfloat16)
     peer_rows, peer_flag = to_attention.get(timeout=120)
     from_attention.put((rows, flag))
-    enable_peer_access(torch, 0, 1)
+    enable_peer_access(torch, 0, args.ffn_device)
     stream = torch.cuda.current_stream()
     nbytes = rows.numel() * rows.element_size()
 
@@ -186,6 +189,7 @@ def attention_side(args: argparse.Namespace, ctx: Any) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "benchmark": "gpu_flag_hop",
+        "gpus": 2 if args.ffn_device else 1,
         "rows": args.rows,
         "hidden": args.hidden,
         "bytes_each_way": nbytes,
@@ -251,13 +255,26 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--graph-iters", type=int, default=61, help="a step of DeepSeek-V3")
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument(
+        "--one-gpu", action="store_true",
+        help="both sides on cuda:0: checks the mechanism (IPC, stream memory operations in a "
+        "graph) where one GPU is lent; the two processes time-slice it, so no hop figure",
+    )  # fmt: skip
     args = parser.parse_args()
     import torch
     import torch.multiprocessing as mp
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        print(json.dumps({"benchmark": "gpu_flag_hop", "skipped": "needs two CUDA GPUs"}))
+    if not torch.cuda.is_available():
+        print(json.dumps({"benchmark": "gpu_flag_hop", "skipped": "needs CUDA GPUs"}))
         sys.exit(0)
+    if torch.cuda.device_count() < 2 and not args.one_gpu:
+        print(
+            json.dumps(
+                {"benchmark": "gpu_flag_hop", "skipped": "needs two CUDA GPUs (or --one-gpu)"}
+            )
+        )
+        sys.exit(0)
+    args.ffn_device = 0 if args.one_gpu else 1
     print(json.dumps(attention_side(args, mp.get_context("spawn"))), flush=True)
 
 

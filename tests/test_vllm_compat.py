@@ -58,3 +58,34 @@ def test_other_lines_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         compat.AfdUnsupportedVllm, match="supports vLLM 0.26.x and 0.32.x, found vLLM 0.29.1"
     ):
         compat.check_supported()
+
+
+def test_one_rank_micro_batch_decision_follows_vllms_thresholds() -> None:
+    """--enable-dbo at attention DP 1: AFD applies vLLM's own micro-batch rule (thresholds, no
+    empty second micro-batch, the caller's allow flag) to what the runner decided, since vLLM
+    decides micro-batches only across DP ranks. The GPU check runs the whole path."""
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    parallel = ParallelConfig(
+        enable_dbo=True, dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16
+    )
+    runner = SimpleNamespace(parallel_config=parallel, uniform_decode_query_len=1)
+    decide = compat.seams().micro_batched_at_one_rank
+
+    def ubatched(num_tokens: int, padded: int, num_reqs: int, **kw: object) -> bool:
+        result = (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded), False, None, None)
+        args = (num_tokens, num_reqs, None, max(1, num_tokens // num_reqs))
+        out = decide(runner, result, args, {"use_cascade_attn": False, **kw})
+        assert out[0] is result[0] and out[1] is result[1] and out[3:] == result[3:]
+        return out[2]
+
+    assert ubatched(8, 8, num_reqs=8)  # a decode of 8 rows: at the threshold
+    assert not ubatched(2, 2, num_reqs=2)  # below the decode threshold
+    assert not ubatched(8, 8, num_reqs=8, allow_microbatching=False)
+    assert not ubatched(8, 8, num_reqs=1)  # one prefill of 8: below the prefill threshold
+    assert ubatched(16, 16, num_reqs=1)
+    assert not ubatched(3, 8, num_reqs=3, force_uniform_decode=True)  # second half all padding

@@ -39,6 +39,8 @@ class AfdAttentionRunnerMixin:
     _afd_flags: StepFlags | None = None
     # Set while the worker runs a DP idle rank's dummy batch: a serving step, not a warm-up.
     _afd_serving_dummy = False
+    # --enable-dbo at DP 1: AFD makes vLLM's micro-batch decision (compat.micro_batched_at_one_rank).
+    _afd_one_rank_micro_batches = False
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         afd = from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
@@ -53,18 +55,27 @@ class AfdAttentionRunnerMixin:
                 "it would run every FFN here; its family module (vllm_ext/families) must "
                 "split it: see vllm_ext/README.md, 'Adding a model family'"
             )
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        self._afd_one_rank_micro_batches = (
+            parallel.use_ubatching and parallel.data_parallel_size == 1
+        )
+        if self._afd_one_rank_micro_batches:
+            compat.seams().allow_micro_batches_at_one_rank(self)
         session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
         session.start()
         self._afd_session = session
-        model = self.model  # type: ignore[attr-defined]
-        model.register_forward_pre_hook(self._afd_begin_step, with_kwargs=True)
-        model.register_forward_hook(self._afd_end_step)
+        # On the model itself, not on vLLM's wrapper (UBatchWrapper under --enable-dbo): under
+        # dual-batch overlap the hooks run once per micro-batch.
+        built.register_forward_pre_hook(self._afd_begin_step, with_kwargs=True)
+        built.register_forward_hook(self._afd_end_step)
 
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM decides the step's padded size (and, under DP, every rank's) here, before it
         builds attention metadata and inputs: the AFD step opens now, so its payload travels
         while the attention side prepares. Both execute_model and _dummy_run pass here."""
         result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
+        if self._afd_one_rank_micro_batches:  # vLLM decides micro-batches only under DP > 1
+            result = compat.seams().micro_batched_at_one_rank(self, result, args, kwargs)
         num_tokens, across_dp, graph_mode, micro_batched = compat.seams().padding_decision(result)
         flags = self._afd_flags or StepFlags()
         stage_tokens = None

@@ -289,15 +289,9 @@ def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
             "AFD carries two micro-batches per step: use --enable-dbo, not --ubatch-size "
             f"{parallel.ubatch_size}"
         )
-    if parallel.data_parallel_size < 2:
-        raise ValueError(
-            "vLLM micro-batches only across data-parallel ranks (its ubatch decision and DP "
-            "metadata need --data-parallel-size >= 2): run the attention server with "
-            "--data-parallel-size 2 or more for --enable-dbo"
-        )
     if not afd.experimental_dbo:
         raise ValueError(
-            "AFD with --enable-dbo is built (attention DP >= 2) but not yet checked on a GPU: "
+            "AFD with --enable-dbo is built but not yet checked on a GPU: "
             'opt in with --additional-config \'{"afd": {"experimental_dbo": true}}\' '
             "(vllm_ext/README.md, Limits now)"
         )

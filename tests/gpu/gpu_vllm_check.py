@@ -2,7 +2,7 @@
 and `vllm serve --afd-role attention` on CUDA, against a colocated `vllm serve` of the same
 weights on the same GPU (greedy token ids compared one request at a time).
 
-    python tests/gpu/gpu_vllm_check.py --out DIR --group pairs|topologies|failure [--models 2,3,qwen3]
+    python tests/gpu/gpu_vllm_check.py --out DIR --group pairs|topologies|dbo|failure [--models 2,3,qwen3]
 
 Groups (each fits one 10-minute device command). With two GPUs the attention server runs on
 cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
@@ -16,6 +16,9 @@ cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
   (its logits are a second graph input on the FFN side); `--load-format dummy` on both roles.
 - Qwen3-MoE (`--models qwen3`, tiny, made by vllm_ext/testing/tiny_qwen3_moe.py): pairs as above;
   topologies: the gate on the attention side with graphs, and 1 attention : 2 FFN.
+- dbo: dual-batch overlap at attention DP 1 (`--enable-dbo`, micro-batches from two tokens on),
+  V2 and V3, eager and graphs, against colocated vLLM without it; the FFN side must see
+  two-stage steps.
 - failure: kill -9 of the FFN server mid-request: a 503 that says why, /health 503, recovery
   once an FFN server is back.
 
@@ -459,6 +462,15 @@ def run_group(group: str, out: Path, names: list[str]) -> list[dict[str, Any]]:
                              load_format="dummy", compare_to_colocated=False)  # fmt: skip
 
             jobs.append(topologies)
+        elif group == "dbo":
+            if v == "qwen3":
+                continue
+            for mode in ("eager", "default"):  # dual-batch overlap at attention DP 1
+
+                def dbo(model: Path = model, label: str = label, mode: str = mode) -> None:
+                    afd_case(out, results, model, label, mode, topology("2gpu"), dbo=True)
+
+                jobs.append(dbo)
         elif group == "failure":
             if v == names[0]:
                 jobs.append(
@@ -476,7 +488,7 @@ def main() -> int:
     global MODES, GPUS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
-    parser.add_argument("--group", required=True, choices=("pairs", "topologies", "failure"))
+    parser.add_argument("--group", required=True, choices=("pairs", "topologies", "dbo", "failure"))
     parser.add_argument(
         "--models", default="2,3", help=f"of {', '.join(MODELS)} (tiny DeepSeek V2/V3, Qwen3-MoE)"
     )

@@ -2,7 +2,7 @@
 # The whole GPU check of AFD through vLLM, on a GPU machine with the vLLM kit installed
 # (../shared/tools/gpu-vllm-kit: vLLM 0.26 + NIXL cu13 in /tmp/site). From the repo root:
 #
-#   bash tests/gpu/run_gpu_check.sh GROUP...      GROUP: pairs topologies failure
+#   bash tests/gpu/run_gpu_check.sh GROUP...      GROUP: pairs topologies dbo failure
 #
 # It works in $WORK (default /tmp/afd-gpu-check: models, logs, cases-<group>.jsonl), then copies
 # the cases, machine.txt and the logs (logs-<group>.tar.gz) to $OUT (default ./gpu-out).

@@ -16,7 +16,7 @@ from tests.gpu.gpu_vllm_check import run_group  # noqa: E402
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("group", ["pairs", "topologies", "failure"])
+@pytest.mark.parametrize("group", ["pairs", "topologies", "dbo", "failure"])
 def test_gpu_group(group: str, tmp_path: Path) -> None:
     rows = run_group(group, tmp_path, [2, 3])
     bad = [r for r in rows if not r.get("ok")]
