@@ -114,7 +114,6 @@ def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             afd: dict[str, Any] = {"role": "attention", "controller": daemon.address}
             if args.part == "afd_dbo":  # dual-batch overlap from vLLM's decode threshold on
                 kwargs["enable_dbo"] = True
-                afd["experimental_dbo"] = True
             kwargs["additional_config"] = {"afd": afd}
             if args.one_gpu:
                 kwargs.update(

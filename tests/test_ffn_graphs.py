@@ -1,5 +1,7 @@
 """FFN-side CUDA graphs follow the payload: capture when it says capturing, replay only when it
 says replaying (never for an eager step whose counts equal a captured key), outputs equal eager.
+A replay of counts never captured (a replacement FFN server, or a micro-batch's stage under
+dual-batch overlap, which reads its own receive slot) captures them on that step, once.
 
 The mode decisions run everywhere; the capture/replay test needs a CUDA GPU (run it on the
 H200: vLLM is not there, so the tiny model's FFN layers run as plain torch).
@@ -12,7 +14,7 @@ import torch
 
 from afd_ctl.payloads import make_payload
 from afd_ctl.v1 import afd_pb2
-from vllm_ext.ffn_graphs import CAPTURE, EAGER, REPLAY, FfnGraphMissing, FfnGraphRunner, graph_mode
+from vllm_ext.ffn_graphs import CAPTURE, EAGER, REPLAY, FfnGraphRunner, graph_mode
 
 
 def payload(step: int, counts: list[list[int]], **flags: bool) -> afd_pb2.AFDControlPayload:
@@ -40,26 +42,31 @@ def test_capture_and_replay_follow_the_payload_and_match_eager(version: int, gat
     stack = TorchFfnStack(config, build_weights(config, seed=version), "cuda")
     runner = FfnGraphRunner(stack.forward_layer, enabled=True)
     hidden = config["hidden_size"]
-    # One receive slot per layer, like the transport's registered buffer (fixed addresses).
-    slots = [torch.empty(64, hidden, device="cuda") for _ in range(stack.num_layers)]
+    # One receive slot per layer and stage, like the transport's registered buffer (fixed
+    # addresses).
+    slots = [[torch.empty(64, hidden, device="cuda") for _ in range(stack.num_layers)]
+             for _ in range(2)]  # fmt: skip
     experts = config["n_routed_experts"]
-    router_slots = [torch.empty(64, experts, device="cuda") for _ in range(stack.num_layers)]
+    router_slots = [[torch.empty(64, experts, device="cuda") for _ in range(stack.num_layers)]
+                    for _ in range(2)]  # fmt: skip
 
     def step(p: afd_pb2.AFDControlPayload) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Runs every layer of stage 0; returns (runner output, eager reference) per layer."""
+        """Runs every layer and stage; returns (runner output, eager reference) per layer and
+        stage."""
         runner.begin_step(p)
-        rows = max(1, p.stages[0].num_tokens_across_dp[0])
         results = []
         for layer in range(stack.num_layers):
-            x = slots[layer][:rows]
-            x.copy_(torch.randn(rows, hidden, device="cuda"))
-            if gate == "attention":
-                router = router_slots[layer][:rows]
-                router.copy_(stack.router_logits(layer, x))
-                out = runner.run(layer, 0, x, router).clone()
-            else:
-                out = runner.run(layer, 0, x).clone()
-            results.append((out, stack.forward_layer(layer, x)))
+            for stage in sorted(p.stages):
+                rows = max(1, p.stages[stage].num_tokens_across_dp[0])
+                x = slots[stage][layer][:rows]
+                x.copy_(torch.randn(rows, hidden, device="cuda"))
+                if gate == "attention":
+                    router = router_slots[stage][layer][:rows]
+                    router.copy_(stack.router_logits(layer, x))
+                    out = runner.run(layer, stage, x, router).clone()
+                else:
+                    out = runner.run(layer, stage, x).clone()
+                results.append((out, stack.forward_layer(layer, x)))
         return results
 
     def check(results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -78,5 +85,15 @@ def test_capture_and_replay_follow_the_payload_and_match_eager(version: int, gat
     # An eager step (a prefill, say) whose counts equal a captured key does not replay.
     check(step(payload(6, [[8]])))
     assert runner.replays == 2 * layers and runner.eager_runs == 2 * layers
-    with pytest.raises(FfnGraphMissing, match=r"counts \(\(12,\),\), which was never captured"):
-        runner.begin_step(payload(7, [[12]], is_graph_replaying=True))
+    # Replaying counts never captured: captured on that step, once, then replayed.
+    check(step(payload(7, [[12]], is_graph_replaying=True)))
+    assert runner.captures == 3 * layers and runner.late_captures == layers
+    check(step(payload(8, [[12]], is_graph_replaying=True)))
+    assert runner.captures == 3 * layers and runner.replays == 3 * layers
+    # Two micro-batches of 8: stage 0 replays the graph captured for 8; stage 1 (its own slot)
+    # is captured on its first replay, then both replay.
+    check(step(payload(9, [[8], [8]], is_graph_replaying=True)))
+    assert runner.late_captures == 2 * layers and runner.replays == 4 * layers
+    check(step(payload(10, [[8], [8]], is_graph_replaying=True)))
+    assert runner.captures == 4 * layers and runner.replays == 6 * layers
+    assert runner.stats()["graph_keys"] == 3  # counts 8, 16 and 12

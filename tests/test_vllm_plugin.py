@@ -172,8 +172,8 @@ def test_a_model_no_family_splits_is_refused_with_the_supported_list(
 
 
 def test_dual_batch_overlap_settings_are_checked_naming_what_to_change() -> None:
-    """--enable-dbo on the attention role: two micro-batches per step, at any attention DP, and
-    (until checked on a GPU) an explicit opt-in; never on the FFN role. vLLM's CPU build
+    """--enable-dbo on the attention role: two micro-batches per step, at any attention DP;
+    never on the FFN role. vLLM's CPU build
     drops --enable-dbo itself, so the check is called here on vLLM's own ParallelConfig."""
     from vllm.config import ParallelConfig
 
@@ -188,10 +188,9 @@ def test_dual_batch_overlap_settings_are_checked_naming_what_to_change() -> None
         (dp2, afd("ffn"), "drop --enable-dbo / --ubatch-size from the FFN server"),
         (ParallelConfig(ubatch_size=3, data_parallel_size=2), afd("attention"),
          "use --enable-dbo, not --ubatch-size 3"),
-        (dp2, afd("attention"), "experimental_dbo"),
     ]  # fmt: skip
     for parallel, config, message in cases:
         with pytest.raises(ValueError, match=message):
             _check_micro_batching(parallel, config)
     for parallel in (dp2, ParallelConfig(enable_dbo=True)):  # DP 2 and DP 1 are accepted
-        _check_micro_batching(parallel, afd("attention", experimental_dbo=True))
+        _check_micro_batching(parallel, afd("attention"))

@@ -81,10 +81,11 @@ class AfdAttentionRunnerMixin:
         stage_tokens = None
         if micro_batched:
             # Dual-batch overlap: vLLM splits the padded rows in two (the second half takes
-            # the odd row) and runs the micro-batches eagerly (it captures micro-batched
-            # graphs only in FULL mode, which AFD does not use).
+            # the odd row) and runs the micro-batches eagerly here (it captures micro-batched
+            # graphs only in FULL mode, which AFD does not use). The FFN side still replays a
+            # graph per stage (vllm_ext/ffn_graphs.py captures a stage's first one then).
             stage_tokens = [num_tokens // 2, num_tokens - num_tokens // 2]
-        elif not flags.is_graph_capturing and graph_mode != "NONE":
+        if not flags.is_graph_capturing and graph_mode != "NONE":
             flags = flags.replaying()
         assert self._afd_session is not None
         self._afd_session.open_step(num_tokens, across_dp, flags, stage_tokens)

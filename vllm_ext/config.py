@@ -57,9 +57,6 @@ class AfdConfig:
     # follows attention servers with or without dual-batch overlap, for twice the receive and
     # send buffers of 1; 1 saves that memory and refuses attention servers that overlap.
     num_stages: int = 2
-    # Attention role: accept vLLM's --enable-dbo (two micro-batches per step, at any attention
-    # DP; built and tested on CPU with stand-in micro-batch threads, not yet run on a GPU).
-    experimental_dbo: bool = False
     # TLS towards afd-ctl (PEM paths): the CA that signed the daemon's certificate and, for
     # mTLS, this worker's certificate and key. Empty tls_ca: AFD_CTL_TLS_* as `afd-ctl`'s own
     # commands read them, else plaintext.

@@ -3,11 +3,17 @@
 The attention side captures its decode graphs keyed by the per-stage token counts and tells
 the FFN side what it is doing: `is_graph_capturing` (capture for these counts) and
 `is_graph_replaying` (replay the graph captured for these counts). The FFN side keeps one graph
-per (counts, layer, stage) over that layer's compute. A step without `is_graph_replaying` runs
-eagerly even when its counts equal a captured key: an eager prefill that happens to match a
-decode shape must not replay (the reference plugin's bug, fixed there by this very flag).
-Communication stays outside the graphs (NIXL is driven from the host); a graph reads its input
-from the same receive slot every time and the caller sends its static output on.
+per (stage's counts, layer, stage) over that layer's compute. A step without
+`is_graph_replaying` runs eagerly even when its counts equal a captured key: an eager prefill
+that happens to match a decode shape must not replay (the reference plugin's bug, fixed there by
+this very flag). Communication stays outside the graphs (NIXL is driven from the host); a graph
+reads its input from the same receive slot every time and the caller sends its static output on.
+
+A replay step whose (stage's counts, layer, stage) has no graph yet captures it then, on that
+step's rows (warm-up, capture, replay: the output is the same as eager), once: the second
+micro-batch's stage under dual-batch overlap (the attention side captures one stage, and each
+stage reads its own receive slot), or an FFN server that replaced one and never saw the
+attention side's capture steps.
 
 Without CUDA (or with enforce_eager) every step runs eagerly and the flags change nothing.
 """
@@ -29,6 +35,11 @@ EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 
 class FfnGraphMissing(RuntimeError):
     """A payload asked to replay a graph that was never captured for its token counts."""
+
+
+def stage_key(key: Key, stage: int) -> tuple[int, ...]:
+    """One stage's counts (per attention DP rank) of a step's key: what its graphs are keyed by."""
+    return key[stage]
 
 
 def graph_key(payload: Any) -> Key:
@@ -62,13 +73,14 @@ class FfnGraphRunner:
     def __init__(self, forward_layer: Callable[..., torch.Tensor], *, enabled: bool) -> None:
         self.forward_layer = forward_layer
         self.enabled = enabled and torch.cuda.is_available()
-        self._graphs: dict[tuple[Key, int, int], _Graph] = {}
+        self._graphs: dict[tuple[tuple[int, ...], int, int], _Graph] = {}
         self._pool: Any = None
         self._key: Key = ()
         self._mode = EAGER
         self._step = -1
         # Per layer and stage: graphs captured, replays, eager runs; per step: the mode.
         self.captures = 0
+        self.late_captures = 0  # of which on a replay step (see the module's docstring)
         self.replays = 0
         self.eager_runs = 0
         self.steps = {EAGER: 0, CAPTURE: 0, REPLAY: 0}
@@ -82,19 +94,13 @@ class FfnGraphRunner:
         self._mode = graph_mode(payload, self.enabled)
         self._step = payload.step_id
         self.steps[self._mode] += 1
-        captured = {k[0] for k in self._graphs}
-        if self._mode == REPLAY and self._key not in captured:
-            raise FfnGraphMissing(
-                f"payload step {payload.step_id} asks to replay a CUDA graph for token counts "
-                f"{self._key}, which was never captured (captured: {sorted(captured)}); the "
-                "attention side must capture with is_graph_capturing first"
-            )
 
     def stats(self) -> dict[str, int]:
         """What the FFN side did, to compare with the attention side's flags."""
         return {
             "graph_keys": len({k[0] for k in self._graphs}),
             "graph_captures": self.captures,
+            "graph_late_captures": self.late_captures,
             "graph_replays": self.replays,
             "graph_capture_steps": self.steps[CAPTURE],
             "graph_replay_steps": self.steps[REPLAY],
@@ -108,15 +114,20 @@ class FfnGraphRunner:
         if self._mode == EAGER:
             self.eager_runs += 1
             return self.forward_layer(layer, *inputs)
-        slot = (self._key, layer, stage)
-        if self._mode == CAPTURE:
-            return self._capture(slot, layer, inputs)
+        slot = (stage_key(self._key, stage), layer, stage)
         entry = self._graphs.get(slot)
-        if entry is None:
-            raise FfnGraphMissing(
-                f"payload step {self._step}: no CUDA graph for layer {layer} stage {stage} at "
-                f"token counts {self._key}"
-            )
+        if self._mode == CAPTURE or entry is None:
+            if self._mode == REPLAY:
+                self.late_captures += 1
+                if layer == 0:
+                    log.info(
+                        "afd ffn: step %d replays token counts %s in stage %d, never captured "
+                        "here: capturing them now, once",
+                        self._step,
+                        slot[0],
+                        stage,
+                    )
+            return self._capture(slot, layer, inputs)
         if entry.static_in.shape != hidden.shape or entry.static_in.dtype != hidden.dtype:
             raise FfnGraphMissing(
                 f"payload step {self._step}: layer {layer} stage {stage} input "
@@ -136,7 +147,7 @@ class FfnGraphRunner:
         return entry.static_out
 
     def _capture(
-        self, slot: tuple[Key, int, int], layer: int, inputs: tuple[torch.Tensor, ...]
+        self, slot: tuple[tuple[int, ...], int, int], layer: int, inputs: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

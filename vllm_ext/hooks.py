@@ -159,7 +159,7 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
             if pinned:
                 log.info("afd attention: %s", pinned)
             _piecewise_graphs_only(self)
-            _micro_batching_backend(self, afd)
+            _micro_batching_backend(self)
         if afd.role is Role.ATTENTION and not self.shutdown_timeout:
             # With vLLM's default (0: abort) the API server kills the engine core at once on
             # SIGTERM, before its workers can publish `stop`; a short drain lets them, so the
@@ -180,11 +180,11 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
     engine_args_cls.create_engine_config = create_engine_config
 
 
-def _micro_batching_backend(engine_args: Any, afd: AfdConfig) -> None:
+def _micro_batching_backend(engine_args: Any) -> None:
     """vLLM's config refuses micro-batching (--enable-dbo) unless the all2all backend is one
     that overlaps (DeepEP, nixl_ep). An AFD attention server has no MoE and so no all2all: the
     backend is named only to pass that check (validate says what else DBO needs)."""
-    if not getattr(engine_args, "enable_dbo", False) or not afd.experimental_dbo:
+    if not getattr(engine_args, "enable_dbo", False):
         return
     if engine_args.all2all_backend not in MICRO_BATCHING_BACKENDS:
         log.info(
@@ -289,12 +289,12 @@ def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
             "AFD carries two micro-batches per step: use --enable-dbo, not --ubatch-size "
             f"{parallel.ubatch_size}"
         )
-    if not afd.experimental_dbo:
-        raise ValueError(
-            "AFD with --enable-dbo is built but not yet checked on a GPU: "
-            'opt in with --additional-config \'{"afd": {"experimental_dbo": true}}\' '
-            "(vllm_ext/README.md, Limits now)"
-        )
+    log.warning(
+        "afd attention: --enable-dbo: vLLM runs a micro-batched step without CUDA graphs on "
+        "this side (it captures micro-batched graphs only in FULL mode, which the host-driven "
+        "AFD exchange cannot join); the FFN side replays its graphs per micro-batch. Measure "
+        "TPOT with and without it (benchmarks/e2e_decode.py --part afd_dbo)"
+    )
 
 
 _original_serve_cmd: Any = None
