@@ -54,17 +54,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_setup import gpu_env, part_processes, plugin_path, write_v3_shaped  # noqa: E402
+from benchmarks.gpu_setup import (  # noqa: E402
+    ONE_GPU_ATTENTION_MEMORY,
+    ONE_GPU_FFN_MEMORY,
+    ONE_GPU_KV_CACHE_BYTES,
+    gpu_env,
+    part_processes,
+    plugin_path,
+    write_v3_shaped,
+)
 from tests.procs import Daemon, Proc  # noqa: E402
 from vllm_ext.testing.procs import ffn_argv, offline_argv, vllm_env  # noqa: E402
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
 STATS_RE = re.compile(r"afd ffn \S+: stats (\{.*\})")
 GPU_PARTS = ("colocated_1gpu", "afd", "afd_dbo", "colocated_2gpu")
-# --one-gpu: the AFD servers share cuda:0. Memory shares of the one GPU (the FFN server holds
-# every expert) and a fixed KV cache, since both servers start at once and vLLM's profiling
-# would count the other's allocations as its own.
-ONE_GPU_FFN_MEMORY, ONE_GPU_ATTENTION_MEMORY, ONE_GPU_KV_CACHE_BYTES = 0.5, 0.35, 8 << 30
 
 
 def gpu_llm_kwargs(max_batch: int, memory: float) -> dict[str, Any]:

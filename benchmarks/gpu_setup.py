@@ -17,6 +17,12 @@ from tests.procs import Proc
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# --one-gpu (a one-GPU machine): the AFD servers share cuda:0. Memory shares of the one GPU
+# (the FFN server holds every expert) and a fixed KV cache for the attention server, since both
+# start at once and vLLM's memory profiling would count the other's allocations as its own.
+ONE_GPU_FFN_MEMORY, ONE_GPU_ATTENTION_MEMORY, ONE_GPU_KV_CACHE_BYTES = 0.5, 0.35, 8 << 30
+
+
 def v3_shaped_config(layers: int) -> dict[str, Any]:
     """DeepSeek-V3's layer shapes (its real vocabulary size too: the LM head is part of a step)."""
     from vllm_ext.testing.tiny_deepseek import config_for

@@ -37,7 +37,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_setup import gpu_env, part_processes, plugin_path, write_v3_shaped  # noqa: E402
+from benchmarks.gpu_setup import (  # noqa: E402
+    ONE_GPU_ATTENTION_MEMORY,
+    ONE_GPU_FFN_MEMORY,
+    ONE_GPU_KV_CACHE_BYTES,
+    gpu_env,
+    part_processes,
+    plugin_path,
+    write_v3_shaped,
+)
 from tests.procs import Daemon, Proc  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     ffn_argv,
@@ -65,13 +73,13 @@ def vllm_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", *args]
 
 
-def gpu_engine_flags(args: argparse.Namespace) -> list[str]:
+def gpu_engine_flags(args: argparse.Namespace, memory: float | None = None) -> list[str]:
     return [
         "--dtype", "bfloat16", "--load-format", "dummy",
         "--max-model-len", str(args.input_len + args.output_len + 64),
         "--max-num-seqs", str(max(args.concurrency)),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--gpu-memory-utilization", str(args.gpu_memory), "--seed", "0",
+        "--gpu-memory-utilization", str(memory or args.gpu_memory), "--seed", "0",
     ]  # fmt: skip
 
 
@@ -81,20 +89,27 @@ def start_part(
     """Starts the part's servers; the API's base URL once /health answers."""
     port = free_port()
     afd: list[str] = []
+    # The attention (or colocated) server on cuda:0, the FFN server on cuda:1; both visible.
+    main_gpus, ffn_gpus = ("0", "0") if args.one_gpu else ("0,1", "1,0")
+    main_memory = None
     if part == "afd":
         daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
         procs.append(daemon)
         afd = ["--afd-role", "attention", "--afd-controller", daemon.address]
         if args.gpu:
-            ffn = vllm_cli("serve", str(model), "--afd-role", "ffn",
-                           "--afd-controller", daemon.address, *gpu_engine_flags(args))  # fmt: skip
-            procs.append(Proc(ffn, tmp / "ffn.log", gpu_env("1,0", plugin_path(tmp))))
+            ffn_memory = ONE_GPU_FFN_MEMORY if args.one_gpu else None
+            ffn = vllm_cli("serve", str(model), "--afd-role", "ffn", "--afd-controller",
+                           daemon.address, *gpu_engine_flags(args, ffn_memory))  # fmt: skip
+            procs.append(Proc(ffn, tmp / "ffn.log", gpu_env(ffn_gpus, plugin_path(tmp))))
         else:
             procs.append(Proc(ffn_argv(model, daemon.address), tmp / "ffn.log", vllm_env()))
+        if args.one_gpu:
+            main_memory = ONE_GPU_ATTENTION_MEMORY
+            afd += ["--kv-cache-memory-bytes", str(ONE_GPU_KV_CACHE_BYTES)]
     if args.gpu:
         argv = vllm_cli("serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-                        *gpu_engine_flags(args), *afd)  # fmt: skip
-        env = gpu_env("0,1", plugin_path(tmp))
+                        *gpu_engine_flags(args, main_memory), *afd)  # fmt: skip
+        env = gpu_env(main_gpus, plugin_path(tmp))
     else:
         argv = serve_argv(model, port, "--max-num-seqs", str(max(args.concurrency)), *afd)
         env = vllm_env()
@@ -119,7 +134,7 @@ def bench(
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out), "--result-filename", name,
     )  # fmt: skip
-    env = gpu_env("0,1", "") if args.gpu else vllm_env()
+    env = gpu_env("0" if args.one_gpu else "0,1", "") if args.gpu else vllm_env()
     run = Proc(argv, out / f"bench-c{concurrency}.log", env)
     try:
         rc = run.wait(args.bench_timeout)
@@ -149,7 +164,12 @@ def run_part(part: str, args: argparse.Namespace, tmp: Path, out: Path) -> dict[
         for c in args.concurrency:
             runs[str(c)] = bench(base_url, model, c, args, out / part)
             print(f"{part} concurrency {c}: {json.dumps(runs[str(c)])}", file=sys.stderr)
-    return {"concurrency": runs, "wall_s": round(time.monotonic() - started, 1)}
+    shared = args.gpu and args.one_gpu and part == "afd"
+    return {
+        "concurrency": runs,
+        "wall_s": round(time.monotonic() - started, 1),
+        "placement": "one GPU, shared" if shared else "own GPU(s)",
+    }
 
 
 def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -161,6 +181,10 @@ def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         f"out {args.output_len}, ignore_eos",
         "parts_done": [p for p in PARTS if p in state],
     }
+    gpus = dict(GPUS)
+    if state.get("afd", {}).get("placement") == "one GPU, shared":
+        gpus["afd"] = 1  # both AFD servers on one GPU: a path check, not the comparison
+        result["afd_on_one_gpu"] = True
     for c in args.concurrency:
         row: dict[str, Any] = {}
         for part in PARTS:
@@ -168,7 +192,7 @@ def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             if figures:
                 row[part] = figures
                 row[part]["output_throughput_per_gpu"] = round(
-                    figures["output_throughput"] / GPUS[part], 3
+                    figures["output_throughput"] / gpus[part], 3
                 )
         if len(row) == len(PARTS):
             afd, colocated = row["afd"], row["colocated_1gpu"]
@@ -202,6 +226,11 @@ def main() -> None:
     parser.add_argument("--gpu-memory", type=float, default=0.85)
     parser.add_argument("--start-timeout", type=float, default=0, help="default: 420 / 240 s")
     parser.add_argument("--bench-timeout", type=float, default=480.0)
+    parser.add_argument(
+        "--one-gpu", action="store_true",
+        help="GPU: AFD's two servers share cuda:0 (a check of the path where one GPU is lent; "
+        "its figures are not the comparison)",
+    )  # fmt: skip
     args = parser.parse_args()
     gpu = args.gpu
     args.concurrency = [
