@@ -63,7 +63,7 @@ from benchmarks.gpu_setup import (  # noqa: E402
     plugin_path,
     write_v3_shaped,
 )
-from tests.procs import Daemon, Proc  # noqa: E402
+from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import ffn_argv, offline_argv, vllm_env  # noqa: E402
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
@@ -219,6 +219,7 @@ def main_gpu(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    stop_children_on_sigterm()  # `timeout` must not leave servers holding the GPU
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 tokens, 2 repeats (< 5 min)")
     parser.add_argument("--tokens", type=int, default=128)

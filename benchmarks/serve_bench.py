@@ -46,7 +46,7 @@ from benchmarks.gpu_setup import (  # noqa: E402
     plugin_path,
     write_v3_shaped,
 )
-from tests.procs import Daemon, Proc  # noqa: E402
+from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     ffn_argv,
     free_port,
@@ -212,6 +212,7 @@ def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    stop_children_on_sigterm()  # `timeout` must not leave servers holding the GPU
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="DeepSeek-V3-shaped, two GPUs")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 LISTEN_RE = re.compile(r"afd-ctl listening on (\S+)")
@@ -25,6 +26,23 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     if extra:
         env.update(extra)
     return env
+
+
+# Every Proc not yet stopped (stop_children_on_sigterm stops them).
+_LIVE: weakref.WeakSet[Proc] = weakref.WeakSet()
+
+
+def stop_children_on_sigterm() -> None:
+    """For a script that starts Procs: SIGTERM (`timeout`, a cancelled job) stops them too.
+    Each Proc runs in its own session, so without this they outlive the script (and a GPU
+    server keeps its memory). Stops every live Proc, then exits 128 + SIGTERM."""
+
+    def stop_all(signum: int, _frame: object) -> None:
+        for proc in list(_LIVE):
+            proc.stop()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop_all)
 
 
 class Proc:
@@ -42,6 +60,7 @@ class Proc:
             env=child_env(env),
             start_new_session=True,
         )
+        _LIVE.add(self)
 
     @property
     def pid(self) -> int:
@@ -73,6 +92,7 @@ class Proc:
                 pass
             self.popen.wait(10)
         self._log.close()
+        _LIVE.discard(self)
 
     def json_report(self, timeout: float) -> dict:
         """The JSON object the process prints as its report (it may still be running)."""

@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.procs import Daemon, Proc  # noqa: E402
+from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import free_port, wait_http_ok  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Hello, my name is", "Once upon a time there was"]
@@ -485,6 +485,7 @@ def run_group(group: str, out: Path, names: list[str]) -> list[dict[str, Any]]:
 
 def main() -> int:
     global MODES, GPUS
+    stop_children_on_sigterm()  # `timeout` must not leave servers holding the GPU
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--group", required=True, choices=("pairs", "topologies", "dbo", "failure"))
