@@ -55,9 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_setup import (  # noqa: E402
-    ONE_GPU_ATTENTION_MEMORY,
-    ONE_GPU_FFN_MEMORY,
-    ONE_GPU_KV_CACHE_BYTES,
+    ONE_GPU,
     gpu_env,
     part_processes,
     plugin_path,
@@ -103,7 +101,7 @@ def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     main_gpus, ffn_gpus = ("0", "0") if args.one_gpu else ("0,1", "1,0")
     with part_processes() as procs:
         if afd_part:
-            ffn_memory = ONE_GPU_FFN_MEMORY if args.one_gpu else args.gpu_memory
+            ffn_memory = ONE_GPU.ffn_memory if args.one_gpu else args.gpu_memory
             daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
             procs.append(daemon)
             ffn_flags = [
@@ -121,8 +119,8 @@ def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             kwargs["additional_config"] = {"afd": afd}
             if args.one_gpu:
                 kwargs.update(
-                    gpu_memory_utilization=ONE_GPU_ATTENTION_MEMORY,
-                    kv_cache_memory_bytes=ONE_GPU_KV_CACHE_BYTES,
+                    gpu_memory_utilization=ONE_GPU.attention_memory,
+                    kv_cache_memory_bytes=ONE_GPU.kv_cache_bytes,
                 )
         main_proc = Proc(
             offline_argv(model, *bench, "--llm-kwargs", json.dumps(kwargs)),

@@ -5,6 +5,7 @@ that pins each vLLM process to its GPU, and the processes of one part."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # --one-gpu (a one-GPU machine): the AFD servers share cuda:0. Memory shares of the one GPU
 # (the FFN server holds every expert) and a fixed KV cache for the attention server, since both
 # start at once and vLLM's memory profiling would count the other's allocations as its own.
-ONE_GPU_FFN_MEMORY, ONE_GPU_ATTENTION_MEMORY, ONE_GPU_KV_CACHE_BYTES = 0.5, 0.35, 8 << 30
+@dataclasses.dataclass(frozen=True)
+class OneGpuShares:
+    ffn_memory: float = 0.5  # --gpu-memory-utilization of the FFN server
+    attention_memory: float = 0.35  # ... of the attention server
+    kv_cache_bytes: int = 8 << 30  # the attention server's --kv-cache-memory-bytes
+
+
+ONE_GPU = OneGpuShares()
 
 
 def v3_shaped_config(layers: int) -> dict[str, Any]:

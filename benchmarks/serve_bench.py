@@ -37,15 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_setup import (  # noqa: E402
-    ONE_GPU_ATTENTION_MEMORY,
-    ONE_GPU_FFN_MEMORY,
-    ONE_GPU_KV_CACHE_BYTES,
-    gpu_env,
-    part_processes,
-    plugin_path,
-    write_v3_shaped,
-)
+from benchmarks import gpu_setup  # noqa: E402
 from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     ffn_argv,
@@ -97,19 +89,21 @@ def start_part(
         procs.append(daemon)
         afd = ["--afd-role", "attention", "--afd-controller", daemon.address]
         if args.gpu:
-            ffn_memory = ONE_GPU_FFN_MEMORY if args.one_gpu else None
+            ffn_memory = gpu_setup.ONE_GPU.ffn_memory if args.one_gpu else None
             ffn = vllm_cli("serve", str(model), "--afd-role", "ffn", "--afd-controller",
                            daemon.address, *gpu_engine_flags(args, ffn_memory))  # fmt: skip
-            procs.append(Proc(ffn, tmp / "ffn.log", gpu_env(ffn_gpus, plugin_path(tmp))))
+            procs.append(
+                Proc(ffn, tmp / "ffn.log", gpu_setup.gpu_env(ffn_gpus, gpu_setup.plugin_path(tmp)))
+            )
         else:
             procs.append(Proc(ffn_argv(model, daemon.address), tmp / "ffn.log", vllm_env()))
         if args.one_gpu:
-            main_memory = ONE_GPU_ATTENTION_MEMORY
-            afd += ["--kv-cache-memory-bytes", str(ONE_GPU_KV_CACHE_BYTES)]
+            main_memory = gpu_setup.ONE_GPU.attention_memory
+            afd += ["--kv-cache-memory-bytes", str(gpu_setup.ONE_GPU.kv_cache_bytes)]
     if args.gpu:
         argv = vllm_cli("serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                         *gpu_engine_flags(args, main_memory), *afd)  # fmt: skip
-        env = gpu_env(main_gpus, plugin_path(tmp))
+        env = gpu_setup.gpu_env(main_gpus, gpu_setup.plugin_path(tmp))
     else:
         argv = serve_argv(model, port, "--max-num-seqs", str(max(args.concurrency)), *afd)
         env = vllm_env()
@@ -134,7 +128,7 @@ def bench(
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out), "--result-filename", name,
     )  # fmt: skip
-    env = gpu_env("0" if args.one_gpu else "0,1", "") if args.gpu else vllm_env()
+    env = gpu_setup.gpu_env("0" if args.one_gpu else "0,1", "") if args.gpu else vllm_env()
     run = Proc(argv, out / f"bench-c{concurrency}.log", env)
     try:
         rc = run.wait(args.bench_timeout)
@@ -154,11 +148,11 @@ def bench(
 
 def run_part(part: str, args: argparse.Namespace, tmp: Path, out: Path) -> dict[str, Any]:
     if args.gpu:
-        model = write_v3_shaped(tmp / "model", args.layers)
+        model = gpu_setup.write_v3_shaped(tmp / "model", args.layers)
     else:
         model = build_tiny_deepseek(tmp / "tiny-v2", version=2)
     started = time.monotonic()
-    with part_processes() as procs:
+    with gpu_setup.part_processes() as procs:
         base_url = start_part(part, model, tmp, args, procs)
         runs = {}
         for c in args.concurrency:
