@@ -14,7 +14,9 @@ Runner: vLLM's own runner, with
   (data-plane state, then one published AFDControlPayload), so the payload's hop overlaps
   with input preparation. Two forward hooks then check the forward runs that step and close
   it. Every forward means every one: real steps, dummy and DP-padding runs, the
-  memory-profiling run and compile warm-up.
+  memory-profiling run and compile warm-up. Under --enable-dbo the hooks run once per
+  micro-batch, and at DP 1 AFD makes the micro-batch decision vLLM makes only across DP ranks
+  (compat.micro_batched_at_one_rank).
 - `_dummy_run`: only marks the step's flags (profile, warm-up, graph capture).
 """
 
