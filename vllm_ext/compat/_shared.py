@@ -9,6 +9,8 @@ inside the functions: importing this module imports nothing of vLLM.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -348,13 +350,10 @@ def micro_batched_at_one_rank(runner: Any, result: tuple, args: tuple, kwargs: d
     DeepEP's all2all. An AFD attention server overlaps its FFN hop instead, which needs no
     second rank: the same rule is applied here with vLLM's own pieces (check_ubatch_thresholds,
     is_last_ubatch_empty) on this rank's padded size."""
-    import inspect
-
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 
-    decide = GPUModelRunner._determine_batch_execution_and_padding
-    bound = inspect.signature(decide).bind(runner, *args, **kwargs)
+    bound = _padding_signature().bind(runner, *args, **kwargs)
     bound.apply_defaults()
     call = bound.arguments
     padded, _, _, micro_batched = padding_decision(result)
@@ -373,6 +372,15 @@ def micro_batched_at_one_rank(runner: Any, result: tuple, args: tuple, kwargs: d
     if is_last_ubatch_empty(call["num_tokens"], padded, parallel.num_ubatches):
         return result
     return tuple(True if isinstance(r, bool) else r for r in result)
+
+
+@functools.cache
+def _padding_signature() -> inspect.Signature:
+    """GPUModelRunner._determine_batch_execution_and_padding's signature (read once: the
+    micro-batch decision binds every step's arguments to it)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return inspect.signature(GPUModelRunner._determine_batch_execution_and_padding)
 
 
 def allow_micro_batches_at_one_rank(runner: Any) -> None:
