@@ -30,16 +30,13 @@ import torch
 log = logging.getLogger(__name__)
 
 Key = tuple[tuple[int, ...], ...]
+# A graph's key: one stage's counts (per attention DP rank), the layer, the stage.
+Slot = tuple[tuple[int, ...], int, int]
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 
 
 class FfnGraphMissing(RuntimeError):
     """A payload asked to replay a graph that was never captured for its token counts."""
-
-
-def stage_key(key: Key, stage: int) -> tuple[int, ...]:
-    """One stage's counts (per attention DP rank) of a step's key: what its graphs are keyed by."""
-    return key[stage]
 
 
 def graph_key(payload: Any) -> Key:
@@ -73,7 +70,8 @@ class FfnGraphRunner:
     def __init__(self, forward_layer: Callable[..., torch.Tensor], *, enabled: bool) -> None:
         self.forward_layer = forward_layer
         self.enabled = enabled and torch.cuda.is_available()
-        self._graphs: dict[tuple[tuple[int, ...], int, int], _Graph] = {}
+        self._graphs: dict[Slot, _Graph] = {}
+        self._captured_in_capture_steps: set[tuple[int, ...]] = set()
         self._pool: Any = None
         self._key: Key = ()
         self._mode = EAGER
@@ -98,7 +96,8 @@ class FfnGraphRunner:
     def stats(self) -> dict[str, int]:
         """What the FFN side did, to compare with the attention side's flags."""
         return {
-            "graph_keys": len({k[0] for k in self._graphs}),
+            # Counts captured in the attention side's capture steps (late captures aside).
+            "graph_keys": len(self._captured_in_capture_steps),
             "graph_captures": self.captures,
             "graph_late_captures": self.late_captures,
             "graph_replays": self.replays,
@@ -114,7 +113,7 @@ class FfnGraphRunner:
         if self._mode == EAGER:
             self.eager_runs += 1
             return self.forward_layer(layer, *inputs)
-        slot = (stage_key(self._key, stage), layer, stage)
+        slot = (self._key[stage], layer, stage)
         entry = self._graphs.get(slot)
         if self._mode == CAPTURE or entry is None:
             if self._mode == REPLAY:
@@ -127,6 +126,8 @@ class FfnGraphRunner:
                         slot[0],
                         stage,
                     )
+            else:
+                self._captured_in_capture_steps.add(slot[0])
             return self._capture(slot, layer, inputs)
         if entry.static_in.shape != hidden.shape or entry.static_in.dtype != hidden.dtype:
             raise FfnGraphMissing(
@@ -146,9 +147,7 @@ class FfnGraphRunner:
         self.replays += 1
         return entry.static_out
 
-    def _capture(
-        self, slot: tuple[tuple[int, ...], int, int], layer: int, inputs: tuple[torch.Tensor, ...]
-    ) -> torch.Tensor:
+    def _capture(self, slot: Slot, layer: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

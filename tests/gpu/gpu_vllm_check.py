@@ -315,9 +315,9 @@ def _graph_note(log: str) -> str | None:
 
 
 def graphs_follow_flags(row: dict[str, Any], mode: str) -> bool | None:
-    """The FFN side captured in exactly the attention side's capture steps (at least their keys:
-    a micro-batch's stage may add its counts on its first replay), replayed on every replay
-    step and ran eager otherwise (counts from both servers' logs)."""
+    """The FFN side captured exactly the attention side's capture steps' keys in those steps (a
+    micro-batch's stage may capture more on its first replay: graph_late_captures), replayed on
+    every replay step and ran eager otherwise (counts from both servers' logs)."""
     flags = row.get("attention_flag_counts")
     ffn = (row.get("ffn_stats") or [None])[0]
     if not flags or not ffn:
@@ -325,7 +325,7 @@ def graphs_follow_flags(row: dict[str, Any], mode: str) -> bool | None:
     if mode == "eager":
         return ffn.get("graph_captures", 0) == 0 and ffn.get("graph_replay_steps", 0) == 0
     return (
-        ffn.get("graph_keys", 0) >= flags.get("capture_keys", 0)
+        ffn.get("graph_keys") == flags.get("capture_keys")
         and ffn.get("graph_capture_steps") == flags.get("capture_steps")
         and ffn.get("graph_replay_steps") == flags.get("replay_steps")
         and ffn.get("graph_replay_steps", 0) > 0
