@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_setup import (  # noqa: E402
     ONE_GPU,
+    SHARED_PLACEMENT,
     gpu_env,
     part_processes,
     plugin_path,
@@ -129,7 +130,7 @@ def gpu_part(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )
         procs.append(main_proc)
         report = main_proc.json_report(timeout=args.timeout)
-        report["placement"] = "one GPU, shared" if args.one_gpu and afd_part else "own GPU(s)"
+        report["placement"] = SHARED_PLACEMENT if args.one_gpu and afd_part else "own GPU(s)"
         if afd_part:
             main_proc.wait(120)  # its exit publishes stop: the FFN server logs its stats
             procs[1].wait(60)
@@ -150,7 +151,7 @@ def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     }
     gpus = {"colocated_1gpu": 1, "afd": 2, "afd_dbo": 2, "colocated_2gpu": 2}
     shared = [
-        p for p in ("afd", "afd_dbo") if state.get(p, {}).get("placement") == "one GPU, shared"
+        p for p in ("afd", "afd_dbo") if state.get(p, {}).get("placement") == SHARED_PLACEMENT
     ]
     if shared:  # both AFD servers on one GPU: tokens/s per GPU counts the one
         gpus.update(dict.fromkeys(shared, 1))

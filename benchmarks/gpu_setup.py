@@ -29,6 +29,8 @@ class OneGpuShares:
 
 
 ONE_GPU = OneGpuShares()
+# A part's "placement" in the state file when --one-gpu put AFD's servers on one GPU.
+SHARED_PLACEMENT = "one GPU, shared"
 
 
 def v3_shaped_config(layers: int) -> dict[str, Any]:

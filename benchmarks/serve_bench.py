@@ -162,7 +162,7 @@ def run_part(part: str, args: argparse.Namespace, tmp: Path, out: Path) -> dict[
     return {
         "concurrency": runs,
         "wall_s": round(time.monotonic() - started, 1),
-        "placement": "one GPU, shared" if shared else "own GPU(s)",
+        "placement": gpu_setup.SHARED_PLACEMENT if shared else "own GPU(s)",
     }
 
 
@@ -176,7 +176,7 @@ def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "parts_done": [p for p in PARTS if p in state],
     }
     gpus = dict(GPUS)
-    if state.get("afd", {}).get("placement") == "one GPU, shared":
+    if state.get("afd", {}).get("placement") == gpu_setup.SHARED_PLACEMENT:
         gpus["afd"] = 1  # both AFD servers on one GPU: a path check, not the comparison
         result["afd_on_one_gpu"] = True
     for c in args.concurrency:
