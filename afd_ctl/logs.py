@@ -7,17 +7,27 @@ line (or one error message) huge, or make the log grow as fast as the client can
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 # What logs and error messages quote of a client's text (worker ids, metadata) is cut to this.
 QUOTE_CHARS = 200
+# Characters that would let a client's text start a new log line or hide part of one: C0 and
+# C1 controls, line and paragraph separators, bidirectional overrides and isolates.
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escape(text: str) -> str:
+    """`text` with every character of UNPRINTABLE written as its escape (a newline as `\\n`),
+    so a client's text never forges or hides a log line."""
+    return UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def clip(text: str, limit: int = QUOTE_CHARS) -> str:
-    """`text`, or its first `limit` characters and how long it was."""
+    """`text` escaped, cut to its first `limit` characters plus how long it was."""
     if len(text) <= limit:
-        return text
-    return f"{text[:limit]}...({len(text)} chars)"
+        return escape(text)
+    return f"{escape(text[:limit])}...({len(text)} chars)"
 
 
 class RateLimitedLog:

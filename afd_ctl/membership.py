@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from afd_ctl import routing
 from afd_ctl.errors import ControlError, invalid
+from afd_ctl.logs import UNPRINTABLE
 from afd_ctl.routing import Role
 
 ATTENTION = Role.ATTENTION
@@ -148,6 +149,12 @@ class Membership:
             raise invalid("worker_id is empty: give every worker a stable identity")
         if len(spec.worker_id) > MAX_WORKER_ID_CHARS:
             raise invalid(f"worker_id is longer than {MAX_WORKER_ID_CHARS} characters")
+        bad = UNPRINTABLE.search(spec.worker_id)
+        if bad is not None:
+            raise invalid(
+                f"worker_id has a control character (U+{ord(bad.group()):04X} at index "
+                f"{bad.start()}): use printable characters only"
+            )
         if spec.dp_size < 1 or spec.tp_size < 1:
             raise invalid(f"dp_size and tp_size must be >= 1, got {spec.dp_size}, {spec.tp_size}")
         if spec.dp_rank >= spec.dp_size:

@@ -24,11 +24,11 @@ from afd_ctl.wire import PROTO_TO_ROLE, PUBLISH_SECRET_METADATA, WORKER_ID_METAD
 log = logging.getLogger(__name__)
 
 SESSION_CLOSED = "session closed by the worker (exited, killed or hung up)"
-# A leave reason is kept to this many characters (it travels in every PEER_LOST event).
-MAX_LEAVE_REASON = 2000
 HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
-# Publish streams refused when they open (no session, no or a wrong secret), rate-limited.
+# Publish streams and registrations refused when they open, rate-limited: anyone who can
+# reach the port can send them as fast as they like.
 PUBLISH_REFUSED = RateLimitedLog(log, "publish stream refused")
+REGISTRATION_REFUSED = RateLimitedLog(log, "registration refused")
 
 
 def role_name(value: int) -> str:
@@ -47,6 +47,19 @@ async def abort(context: grpc.aio.ServicerContext, error: ControlError) -> None:
     await context.abort(status_code(error.code), error.message)
 
 
+async def send(context: grpc.aio.ServicerContext, message: object) -> bool:
+    """Writes one message of a response stream; False when the client hung up meanwhile.
+
+    A handler that yields leaves the write to grpcio, which logs a client that hung up during
+    a blocked write (one that had stopped reading) as a 10-line ERROR traceback; written here,
+    that is an ordinary end of the stream."""
+    try:
+        await context.write(message)
+    except (grpc.aio.InternalError, grpc.aio.UsageError, asyncio.InvalidStateError):
+        return False
+    return True
+
+
 class Heard:
     """When a worker's session last said anything, why it left, if it said so, and what did
     not parse, if something did."""
@@ -61,7 +74,8 @@ class Heard:
             async for request in requests:
                 self.at = time.monotonic()
                 if request.WhichOneof("message") == "leave":
-                    self.left = request.leave.reason[:MAX_LEAVE_REASON] or "no reason given"
+                    # Kept as logs quote client text (it travels in every PEER_LOST event).
+                    self.left = clip(request.leave.reason) or "no reason given"
         except MalformedRequest as error:
             self.malformed = error.message
 
@@ -74,7 +88,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         self,
         request_iterator: AsyncIterator[afd_pb2.SessionRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[afd_pb2.SessionMessage]:
+    ) -> None:
         liveness_s = self.controller.config.liveness_timeout_s
         requests = aiter(request_iterator)
         try:
@@ -100,11 +114,8 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         try:
             session = self.controller.open_session(spec, context.peer())
         except ControlError as error:
-            log.warning(
-                "registration refused for %r from %s: %s",
-                clip(request.worker_id),
-                context.peer(),
-                error.message,
+            REGISTRATION_REFUSED.warn(
+                f"{clip(request.worker_id)!r} from {context.peer()}: {error.message}"
             )
             await abort(context, error)
             return
@@ -132,7 +143,8 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
                 if time.monotonic() - heard.at > liveness_s:
                     reason = f"no heartbeat for {liveness_s} s (worker frozen or network down)"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-                yield HEARTBEAT if message is None else message
+                if not await send(context, HEARTBEAT if message is None else message):
+                    return
         finally:
             reader.cancel()
             if heard.left and reason == SESSION_CLOSED:  # it said why, then hung up
@@ -200,7 +212,7 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
 
     async def Tap(  # noqa: N802
         self, request: afd_pb2.TapRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[afd_pb2.TapEvent]:
+    ) -> None:
         tap = self.controller.add_tap(request.include_payloads, context.peer())
         # Headers now, not with the first event: the client can tell it is subscribed.
         await context.send_initial_metadata(())
@@ -212,12 +224,13 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
                     if closed.code != "OK":
                         await context.abort(status_code(closed.code), closed.message)
                     return
-                yield event
+                if not await send(context, event):
+                    return
         finally:
             self.controller.remove_tap(tap)
 
     async def Stop(  # noqa: N802
         self, request: afd_pb2.StopRequest, context: grpc.aio.ServicerContext
     ) -> afd_pb2.StopResponse:
-        reason = request.reason or f"afd-ctl stop from {context.peer()}"
+        reason = clip(request.reason) or f"afd-ctl stop from {context.peer()}"
         return afd_pb2.StopResponse(ffn_workers_told=self.request_stop(reason))

@@ -235,4 +235,5 @@ def test_unknown_role_and_huge_ids_are_refused_without_flooding_the_log(start_da
     log = daemon.log()
     assert "Traceback" not in log
     assert max(len(line) for line in log.splitlines()) < 1000
-    assert log.count("registration refused") == 6 and "...(1048576 chars)" in log
+    # Refused registrations are logged at most once a second (with a count of those not shown).
+    assert 1 <= log.count("registration refused") < 6

@@ -64,6 +64,8 @@ def test_join_and_loss_bump_the_epoch_and_health():
     [
         (WorkerSpec("x", "BOGUS"), "role"),
         (WorkerSpec("", FFN), "worker_id"),
+        (WorkerSpec("ffn\nINFO forged", FFN), "worker_id has a control character"),
+        (WorkerSpec("ffn\u202e0", FFN), "worker_id has a control character"),
         (WorkerSpec("x", FFN, dp_rank=2, dp_size=2), "dp_rank"),
         (WorkerSpec("x", FFN, dp_size=3), "dp_size"),
         (WorkerSpec("x", FFN, data_plane_blob=b"x" * ((1 << 20) + 1)), "data_plane_blob"),
