@@ -1,6 +1,6 @@
 """What the end-to-end benchmarks share: the DeepSeek-V3-shaped model with dummy weights, the
 plugin's entry point on machines where this checkout is not pip-installed, the environment
-that pins each vLLM process to its GPU, and the processes of one part."""
+that pins each vLLM process to its GPU, whether CUDA MPS is on, and the processes of one part."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,30 @@ class OneGpuShares:
 ONE_GPU = OneGpuShares()
 # A part's "placement" in the state file when --one-gpu put AFD's servers on one GPU.
 SHARED_PLACEMENT = "one GPU, shared"
+
+
+def mps_state(flag: str = "auto") -> dict[str, Any]:
+    """Whether CUDA MPS serves this machine's GPU clients: `--mps on|off` as the operator says,
+    else detected (`auto`): MPS's control daemon answers `get_server_list` on the pipe directory
+    CUDA clients use (CUDA_MPS_PIPE_DIRECTORY, else the default /tmp/nvidia-mps). A client
+    started while it answers connects to MPS; where it does not, clients run without."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "")
+    if flag in ("on", "off"):
+        return {"mps": flag == "on", "mps_source": "--mps flag", "mps_pipe_directory": pipe_dir}
+    try:
+        answer = subprocess.run(
+            ["nvidia-cuda-mps-control"], input="get_server_list\n",
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+        text = (answer.stdout + answer.stderr).lower()
+        on = answer.returncode == 0 and "cannot find" not in text and "error" not in text
+    except (OSError, subprocess.TimeoutExpired):
+        on = False
+    return {
+        "mps": on,
+        "mps_source": "nvidia-cuda-mps-control get_server_list answered" if on else "no answer",
+        "mps_pipe_directory": pipe_dir or "/tmp/nvidia-mps (default)",
+    }
 
 
 def v3_shaped_config(layers: int) -> dict[str, Any]:

@@ -1,0 +1,262 @@
+"""Decode timing inside one vLLM engine (in-process LLM()), colocated or as the AFD attention side;
+benchmarks/e2e_decode.py starts it once per part.
+
+    python benchmarks/decode_runner.py MODEL --tokens N --repeats R --batches 1[,B...]
+        [--llm-kwargs JSON] [--afd-controller HOST:PORT] [--ffn-log PATH] [--gpu]
+
+Per batch size: one untimed warm-up of every batch size first (the same prompts and token
+count as the timed runs, so every shape a timed run uses has run once: Triton JIT, autotuning,
+allocations), then R timed repeats, batch sizes interleaved within each repeat so drift hits
+all alike. TPOT comes from vLLM's per-request timestamps (timing_stats says why), checked by
+timing_stats.decode_run; the spread over repeats must stay within --spread-bound.
+
+Compiles and graph captures inside a timed generate() refuse the run, where they can be seen:
+new kernels in Triton's cache directory (every process of the host writes there: the FFN
+server's too), the FFN server's late graph captures (its log, --ffn-log), and vLLM's own
+compilation counters when the engine runs in this process (CPU). vLLM itself raises on a CUDA
+graph capture outside its capture phase, so a late capture there fails the run.
+
+The last stdout line is one JSON object: the figures, or {"refused": REASON} (exit status 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing_stats import (  # noqa: E402
+    BenchmarkRefused,
+    DecodeRun,
+    RequestTiming,
+    bounded_spread,
+    decode_run,
+    late_events,
+    positive,
+    refuse_late_events,
+)
+from vllm_ext.testing.offline import DEFAULT_PROMPTS, LLM_KWARGS, apply_cpu_env  # noqa: E402
+
+REFUSED_EXIT = 3
+# The FFN server's log line for a graph captured on a replay step (vllm_ext/ffn_graphs.py).
+FFN_LATE_CAPTURE = "never captured here: capturing them now"
+COUNTERS = ("num_backend_compilations", "num_inductor_compiles", "num_cudagraph_captured")
+
+
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+class LateEventCounters:
+    """Snapshots of what grows when something compiles or captures."""
+
+    def __init__(self, ffn_log: str) -> None:
+        self.ffn_log = Path(ffn_log) if ffn_log else None
+        self.cache = triton_cache_dir()
+
+    def snapshot(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        try:
+            counts["triton_kernels_compiled"] = sum(1 for _ in os.scandir(self.cache))
+        except OSError:
+            counts["triton_kernels_compiled"] = 0
+        if self.ffn_log is not None and self.ffn_log.is_file():
+            text = self.ffn_log.read_text(errors="replace")
+            counts["ffn_late_graph_captures"] = text.count(FFN_LATE_CAPTURE)
+        try:  # meaningful only with the engine in this process (CPU, in-process)
+            from vllm.compilation.counter import compilation_counter
+
+            for name in COUNTERS:
+                counts[f"vllm_{name}"] = int(getattr(compilation_counter, name, 0))
+        except ImportError:
+            pass
+        return counts
+
+    def sources(self) -> list[str]:
+        seen = [f"triton cache {self.cache}", "vLLM compilation counters (in-process engine)"]
+        if self.ffn_log is not None:
+            seen.append("FFN server's late graph captures")
+        return seen
+
+
+def request_timings(outputs: list[Any]) -> list[RequestTiming]:
+    timings = []
+    for out in outputs:
+        m = out.metrics
+        if m is None or not getattr(m, "first_token_ts", 0.0):
+            raise BenchmarkRefused(
+                "vLLM returned no per-request timestamps (RequestOutput.metrics): "
+                "the engine must log stats (disable_log_stats=False)"
+            )
+        timings.append(
+            RequestTiming(
+                first_token_s=m.first_token_ts,
+                last_token_s=m.last_token_ts,
+                output_tokens=len(out.outputs[0].token_ids),
+                preemptions=int(getattr(m, "num_preemptions", 0) or 0),
+            )
+        )
+    return timings
+
+
+class MlpTimers:
+    """Time inside the decoder layers' MLP/MoE modules, per forward step (CPU, in-process: for
+    AFD that is the proxies' whole round trip to the FFN side)."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self._t0 = 0.0
+
+    def install(self, model: Any) -> int:
+        def pre(mod: Any, _args: Any) -> None:
+            if mod is first:
+                self.steps.append(0.0)
+            self._t0 = time.perf_counter()
+
+        def post(_mod: Any, _args: Any, _out: Any) -> None:
+            if self.steps:
+                self.steps[-1] += time.perf_counter() - self._t0
+
+        layers = list(model.model.layers)
+        first = layers[0].mlp
+        for layer in layers:
+            layer.mlp.register_forward_pre_hook(pre)
+            layer.mlp.register_forward_hook(post)
+        return len(layers)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.gpu:
+        apply_cpu_env()
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {**LLM_KWARGS, **json.loads(args.llm_kwargs)}
+    kwargs["disable_log_stats"] = False  # RequestOutput.metrics carries the timestamps
+    if args.afd_controller:
+        kwargs["additional_config"] = {
+            "afd": {"role": "attention", "controller": args.afd_controller}
+        }
+    afd = bool(kwargs.get("additional_config"))
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(model=args.model, **kwargs)
+    timers = MlpTimers() if args.mlp_timers else None
+    if timers is not None:
+        llm.apply_model(timers.install)
+
+    def exchange_totals() -> tuple[float, float, float]:
+        if not afd:
+            return 0.0, 0.0, 0.0
+        stats = llm.collective_rpc("afd_stats")[0]
+        n = float(stats.get("exchanges", 0))
+        return n, stats["post_us_per_layer"] * n / 1e3, stats["wait_us_per_layer"] * n / 1e3
+
+    prompts = {
+        b: [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" {i}" for i in range(b)] for b in batches
+    }
+
+    def generate(batch: int, n: int) -> tuple[list[Any], float]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[batch], params, use_tqdm=False)
+        return outs, time.perf_counter() - t0
+
+    for b in batches:  # every shape a timed run uses, once, before any timing
+        generate(b, args.tokens)
+        generate(b, 1)
+    counters = LateEventCounters(args.ffn_log)
+    runs: dict[int, list[DecodeRun]] = {b: [] for b in batches}
+    exchange: dict[int, list[tuple[float, ...]]] = {b: [] for b in batches}
+    mlp: dict[int, list[float]] = {b: [] for b in batches}
+    tokens: dict[int, list[list[int]]] = {}
+    same_tokens = True
+    for r in range(args.repeats):
+        for b in batches:
+            what = f"batch {b}, repeat {r}"
+            x0 = exchange_totals()
+            before = counters.snapshot()
+            if timers is not None:
+                timers.steps.clear()
+            outs, wall = generate(b, args.tokens)
+            refuse_late_events(late_events(before, counters.snapshot()), what)
+            runs[b].append(decode_run(request_timings(outs), args.tokens, wall, what))
+            if timers is not None:
+                mlp[b].append(statistics.median(timers.steps))
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            same_tokens = same_tokens and tokens.get(b, ids) == ids
+            tokens[b] = ids
+            if afd:  # the exchange per decode step: the N-token run less a 1-token run
+                xn = tuple(a - c for a, c in zip(exchange_totals(), x0, strict=True))
+                x1_start = exchange_totals()
+                generate(b, 1)
+                x1 = tuple(a - c for a, c in zip(exchange_totals(), x1_start, strict=True))
+                exchange[b].append(
+                    tuple((n - one) / (args.tokens - 1) for n, one in zip(xn, x1, strict=True))
+                )
+
+    report: dict[str, Any] = {
+        "batches": {},
+        "tokens_same_across_repeats": same_tokens,
+        "late_events_checked": counters.sources(),
+        "spread_bound": args.spread_bound,
+    }
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
+    report["cudagraph_mode_effective"] = getattr(mode, "name", str(mode))
+    for b in batches:
+        tpot = bounded_spread([1e3 * x.tpot_s for x in runs[b]], args.spread_bound,
+                              f"batch {b}: TPOT (ms)")  # fmt: skip
+        tps = bounded_spread([x.tokens_per_s for x in runs[b]], args.spread_bound,
+                             f"batch {b}: decode tokens/s")  # fmt: skip
+        row: dict[str, Any] = {
+            "tpot_ms": tpot.as_dict(4),
+            "decode_tokens_per_s": tps.as_dict(1),
+            "tpot_ms_repeats": [round(1e3 * x.tpot_s, 4) for x in runs[b]],
+            "token_ids": tokens[b],
+        }
+        if mlp[b]:
+            row["mlp_ms_per_step"] = round(
+                1e3 * positive(statistics.median(mlp[b]), f"batch {b}: MLP time"), 4
+            )
+        if exchange[b]:
+            n, post, wait = (statistics.median(col) for col in zip(*exchange[b], strict=True))
+            row["exchanges_per_step"] = round(n, 2)
+            row["exchange_post_ms_per_step"] = round(positive(post, f"batch {b}: post"), 4)
+            row["exchange_wait_ms_per_step"] = round(positive(wait, f"batch {b}: wait"), 4)
+        report["batches"][str(b)] = row
+    if afd:
+        report["afd_exchange"] = llm.collective_rpc("afd_stats")[0]
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", default="1")
+    parser.add_argument("--llm-kwargs", default="{}", help="JSON: LLM() arguments to override")
+    parser.add_argument("--afd-controller", default="")
+    parser.add_argument("--ffn-log", default="", help="the FFN server's log (late captures)")
+    parser.add_argument("--gpu", action="store_true", help="no CPU environment settings")
+    parser.add_argument("--mlp-timers", action="store_true", help="CPU: time the MLP modules")
+    parser.add_argument("--spread-bound", type=float, required=True)
+    args = parser.parse_args()
+    try:
+        report = run(args)
+    except BenchmarkRefused as exc:
+        print(f"refused: {exc}", file=sys.stderr, flush=True)
+        print(json.dumps({"refused": str(exc)}), flush=True)
+        sys.exit(REFUSED_EXIT)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

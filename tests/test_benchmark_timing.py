@@ -1,0 +1,169 @@
+"""The benchmarks' timing checks (benchmarks/timing_stats.py) fed timings by hand: what a run
+with a slow first repeat, a negative TPOT, a tokens/s that disagrees with TPOT, or a wide
+spread gives. Pure logic: no vLLM, no processes."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from benchmarks.timing_stats import (
+    BenchmarkRefused,
+    RequestTiming,
+    Spread,
+    added_per_layer_us,
+    bounded_spread,
+    decode_run,
+    late_events,
+    ratio,
+    refuse_late_events,
+)
+
+
+def batch(tpot_s: float, n: int, tokens: int, first_s: float = 100.0) -> list[RequestTiming]:
+    """`n` requests that decoded together: first token at `first_s`, then a token per TPOT."""
+    last = first_s + tpot_s * (tokens - 1)
+    return [RequestTiming(first_s, last, tokens) for _ in range(n)]
+
+
+def test_tpot_is_the_decode_steps_alone_whatever_the_prefill_took() -> None:
+    # A slow prefill (a late compile, the scheduler's first step) delays the first token; the
+    # wall time of generate() grows with it, the TPOT does not.
+    quick = decode_run(batch(0.004, 16, 64, first_s=100.0), 64, wall_s=0.30, what="quick")
+    slow = decode_run(batch(0.004, 16, 64, first_s=103.0), 64, wall_s=3.30, what="slow")
+    assert quick.tpot_s == pytest.approx(0.004)
+    assert slow.tpot_s == pytest.approx(quick.tpot_s)
+    assert slow.tokens_per_s == pytest.approx(16 / 0.004)
+
+
+def test_the_old_difference_formula_goes_negative_where_the_new_one_does_not() -> None:
+    # What issue 28 saw: (t(N) - t(1)) / (N - 1) with a 1-token run slower than the 64-token
+    # one. The same engine's per-request stamps still give the decode time.
+    t1, t64 = 0.40, 0.33  # the 1-token run paid a late capture
+    assert (t64 - t1) / 63 < 0
+    run = decode_run(batch(0.0045, 256, 64), 64, wall_s=t64, what="batch 256")
+    assert run.tpot_s == pytest.approx(0.0045)
+
+
+def test_a_negative_or_zero_tpot_is_refused() -> None:
+    backwards = [RequestTiming(first_token_s=10.0, last_token_s=9.9, output_tokens=64)]
+    with pytest.raises(BenchmarkRefused, match=r"TPOT \(s\) is -"):
+        decode_run(backwards, 64, wall_s=1.0, what="batch 1")
+    frozen = [RequestTiming(10.0, 10.0, 64)]
+    with pytest.raises(BenchmarkRefused, match="must be positive"):
+        decode_run(frozen, 64, wall_s=1.0, what="batch 1")
+    with pytest.raises(BenchmarkRefused, match="must be positive"):
+        bounded_spread([2.5, -1.195, 2.6], 0.15, "TPOT (ms)")
+    with pytest.raises(BenchmarkRefused, match="must be positive"):
+        bounded_spread([2.5, math.nan], 0.15, "TPOT (ms)")
+
+
+def test_tokens_per_s_that_disagrees_with_batch_over_tpot_is_refused() -> None:
+    # Half the batch decoded after the other half (not one batch): each request's TPOT is the
+    # same, but the batch's decode span is twice as long.
+    early = batch(0.004, 8, 64, first_s=100.0)
+    late = batch(0.004, 8, 64, first_s=100.0 + 0.004 * 63)
+    with pytest.raises(BenchmarkRefused, match="did not decode together"):
+        decode_run(early + late, 64, wall_s=1.0, what="batch 16")
+
+
+def test_short_or_preempted_requests_and_foreign_timestamps_are_refused() -> None:
+    short = batch(0.004, 3, 64)[:2] + [RequestTiming(100.0, 100.1, 40)]
+    with pytest.raises(BenchmarkRefused, match="request 2 generated 40 of 64"):
+        decode_run(short, 64, wall_s=1.0, what="b")
+    preempted = [RequestTiming(100.0, 100.252, 64, preemptions=1)]
+    with pytest.raises(BenchmarkRefused, match="preempted"):
+        decode_run(preempted, 64, wall_s=1.0, what="b")
+    # A decode span longer than generate() took: stamps from another run, or a broken clock.
+    with pytest.raises(BenchmarkRefused, match="longer than generate"):
+        decode_run(batch(0.004, 4, 64), 64, wall_s=0.1, what="b")
+    with pytest.raises(BenchmarkRefused, match="at least 2"):
+        decode_run(batch(0.004, 4, 1), 1, wall_s=0.1, what="b")
+
+
+def test_a_slow_first_repeat_makes_the_spread_wide_and_the_run_refused() -> None:
+    with pytest.raises(BenchmarkRefused, match=r"spread .* wider than the bound 0.15") as err:
+        bounded_spread([6.1, 2.7, 2.66, 2.68, 2.7], 0.15, "batch 64: TPOT (ms)")
+    assert "6.1" in str(err.value)  # the message shows the repeats
+    # Within the bound: the median stands, min and max come with it.
+    spread = bounded_spread([2.7, 2.66, 2.68, 2.75, 2.7], 0.15, "batch 64: TPOT (ms)")
+    assert (spread.low, spread.median, spread.high, spread.n) == (2.66, 2.7, 2.75, 5)
+    assert spread.as_dict() == {"min": 2.66, "median": 2.7, "max": 2.75, "n": 5}
+
+
+def test_ratio_and_added_time_per_layer_come_from_medians_with_their_range() -> None:
+    afd = Spread.of([16.0, 16.8, 17.5])
+    colocated = Spread.of([6.0, 6.2, 6.5])
+    r = ratio(afd, colocated)
+    assert r.value == pytest.approx(16.8 / 6.2)
+    assert (r.low, r.high) == (pytest.approx(16.0 / 6.5), pytest.approx(17.5 / 6.0))
+    added = added_per_layer_us(afd, colocated, layers=4)
+    assert added.value == pytest.approx((16.8 - 6.2) / 4 * 1000)
+    assert added.low < added.value < added.high
+
+
+def test_a_compile_or_late_capture_inside_the_timed_region_refuses_the_run() -> None:
+    before = {"triton_kernels_compiled": 40, "ffn_late_graph_captures": 0}
+    after = {"triton_kernels_compiled": 40, "ffn_late_graph_captures": 2}
+    events = late_events(before, after)
+    assert events == {"ffn_late_graph_captures": 2}
+    with pytest.raises(BenchmarkRefused, match="ffn_late_graph_captures \\+2"):
+        refuse_late_events(events, "batch 64, repeat 0")
+    refuse_late_events(late_events(after, after), "nothing grew")
+
+
+def gpu_args(**over: object) -> argparse.Namespace:
+    base = {"layers": 4, "tokens": 64, "repeats": 3, "spread_bound": 0.15,
+            "batches": "64"}  # fmt: skip
+    base.update(over)
+    return argparse.Namespace(**base)
+
+
+def gpu_run(tpots: list[float], mps: bool = True) -> dict[str, object]:
+    spread = Spread.of(tpots)
+    return {
+        "mps": mps,
+        "placement": "own GPU(s)",
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "batches": {
+            "64": {
+                "tpot_ms": spread.as_dict(4),
+                "tpot_ms_repeats": tpots,
+                "decode_tokens_per_s": Spread.of([64e3 / t for t in tpots]).as_dict(1),
+                "token_ids": [[1, 2]],
+            }
+        },
+    }
+
+
+def test_gpu_summary_gives_ratio_added_time_and_mps_from_the_runs() -> None:
+    from benchmarks.e2e_decode import gpu_summary
+
+    state = {
+        "colocated_1gpu": {"runs": [gpu_run([4.0, 4.1, 4.2]), gpu_run([4.1, 4.2, 4.3])]},
+        "afd": {"runs": [gpu_run([9.6, 9.7, 9.8])]},
+    }
+    summary = gpu_summary(state, gpu_args())
+    row = summary["batch_64"]
+    assert summary["mps"] is True
+    assert row["tpot_ms_colocated_1gpu"] == 4.15  # median of all six repeats
+    assert row["ratio_tpot_afd_vs_colocated_1gpu"] == round(9.7 / 4.15, 3)
+    assert row["ratio_tpot_afd_vs_colocated_1gpu_range"] == [round(9.6 / 4.3, 3), 2.45]
+    assert row["per_layer_added_us"] == round((9.7 - 4.15) / 4 * 1000, 1)
+    assert summary["cudagraph_mode_by_part"]["afd"] == ["FULL_DECODE_ONLY"]
+
+
+def test_gpu_summary_refuses_runs_that_disagree_or_mixed_mps() -> None:
+    from benchmarks.e2e_decode import gpu_summary
+
+    drifting = {"colocated_1gpu": {"runs": [gpu_run([2.66] * 3), gpu_run([4.27] * 3)]}}
+    with pytest.raises(BenchmarkRefused, match="run medians .* wider than the bound"):
+        gpu_summary(drifting, gpu_args())
+    mixed = {
+        "colocated_1gpu": {"runs": [gpu_run([4.0] * 3, mps=False)]},
+        "afd": {"runs": [gpu_run([9.7] * 3, mps=True)]},
+    }
+    with pytest.raises(BenchmarkRefused, match="MPS was on in some runs"):
+        gpu_summary(mixed, gpu_args())
