@@ -20,6 +20,18 @@ part takes minutes, so each can run in its own call and adds its figures to --st
     python benchmarks/serve_bench.py --gpu --parts colocated_1gpu --state S.json
     python benchmarks/serve_bench.py --gpu --parts afd --state S.json
 
+Each concurrency runs --repeats times (default 3 on GPU, 2 on CPU) against the same servers;
+a part's figures are medians over the repeats, with the min/median/max of the output
+throughput and the median TPOT, and AFD's ratios come from medians with their range.
+
+What refuses a run (exit status 3, the reason on stderr and in {"refused": [...]}; none of its
+figures is written, in --state or the JSON line): a request that did not complete; a time or
+rate that is not positive; fewer output tokens than asked (the runs use --ignore-eos); an
+output throughput that disagrees with vLLM's own token count and duration; a median above its
+p99; more output tokens/s than the concurrency allows at the measured mean end-to-end latency
+(+10%); a spread (max - min) / median of the output throughput or the median TPOT over the
+repeats wider than --spread-bound (default 0.15 on GPU, 0.5 on the shared CPU machine).
+
 Prints one JSON line last: per concurrency, each part's figures and AFD's ratios against
 colocated on one GPU (throughput per GPU counts AFD's two GPUs).
 """
@@ -38,6 +50,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu_setup  # noqa: E402
+from benchmarks.timing_stats import (  # noqa: E402
+    SPREAD_BOUND_CPU,
+    SPREAD_BOUND_GPU,
+    BenchmarkRefused,
+    Spread,
+    bounded_spread,
+    check_serve_run,
+    ratio,
+)
 from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     ffn_argv,
@@ -49,14 +70,17 @@ from vllm_ext.testing.procs import (  # noqa: E402
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
 PARTS = ("colocated_1gpu", "afd")
+REFUSED_EXIT = 3
 GPUS = {"colocated_1gpu": 1, "afd": 2}
 # What each run keeps of vLLM's result JSON.
 METRICS = (
     "completed", "duration", "request_throughput", "output_throughput",
     "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
     "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
-    "p99_itl_ms",
+    "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
 )  # fmt: skip
+# Figures whose spread over the repeats is reported and bounded.
+SPREAD_METRICS = ("output_throughput", "median_tpot_ms")
 
 
 def vllm_cli(*args: str) -> list[str]:
@@ -114,10 +138,10 @@ def start_part(
 
 
 def bench(
-    base_url: str, model: Path, concurrency: int, args: argparse.Namespace, out: Path
+    base_url: str, model: Path, concurrency: int, args: argparse.Namespace, out: Path, repeat: int
 ) -> dict[str, Any]:
-    """One `vllm bench serve` run; the figures of its result JSON."""
-    name = f"bench-c{concurrency}.json"
+    """One `vllm bench serve` run; the figures of its result JSON, checked."""
+    name = f"bench-c{concurrency}-r{repeat}.json"
     argv = vllm_cli(
         "bench", "serve", "--backend", "vllm", "--base-url", base_url,
         "--model", str(model), "--tokenizer", str(model),
@@ -129,7 +153,7 @@ def bench(
         "--save-result", "--result-dir", str(out), "--result-filename", name,
     )  # fmt: skip
     env = gpu_setup.gpu_env("0" if args.one_gpu else "0,1", "") if args.gpu else vllm_env()
-    run = Proc(argv, out / f"bench-c{concurrency}.log", env)
+    run = Proc(argv, out / f"bench-c{concurrency}-r{repeat}.log", env)
     try:
         rc = run.wait(args.bench_timeout)
     finally:
@@ -138,12 +162,22 @@ def bench(
     if rc != 0 or not result_file.is_file():
         raise RuntimeError(f"vllm bench serve exited {rc}:\n{run.tail(30)}")
     result = json.loads(result_file.read_text())
-    if result.get("completed") != args.num_prompts:
-        raise RuntimeError(
-            f"vllm bench serve completed {result.get('completed')} of {args.num_prompts} "
-            f"requests; see {result_file}"
-        )
-    return {k: round(result[k], 3) for k in METRICS if isinstance(result.get(k), (int, float))}
+    what = f"concurrency {concurrency}, repeat {repeat} ({result_file})"
+    check_serve_run(result, args.num_prompts, args.output_len, concurrency, what)
+    return {k: result[k] for k in METRICS if isinstance(result.get(k), (int, float))}
+
+
+def over_repeats(runs: list[dict[str, Any]], bound: float, what: str) -> dict[str, Any]:
+    """Medians over the repeats of every figure, the spreads of SPREAD_METRICS (bounded)."""
+    figures: dict[str, Any] = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if key in r]
+        if key in SPREAD_METRICS:
+            spread = bounded_spread(values, bound, f"{what}: {key}")
+            figures[f"{key}_spread"] = spread.as_dict()
+        figures[key] = round(Spread.of(values).median, 3)
+    figures["repeats"] = len(runs)
+    return figures
 
 
 def run_part(part: str, args: argparse.Namespace, tmp: Path, out: Path) -> dict[str, Any]:
@@ -156,7 +190,8 @@ def run_part(part: str, args: argparse.Namespace, tmp: Path, out: Path) -> dict[
         base_url = start_part(part, model, tmp, args, procs)
         runs = {}
         for c in args.concurrency:
-            runs[str(c)] = bench(base_url, model, c, args, out / part)
+            repeats = [bench(base_url, model, c, args, out / part, r) for r in range(args.repeats)]
+            runs[str(c)] = over_repeats(repeats, args.spread_bound, f"{part}, concurrency {c}")
             print(f"{part} concurrency {c}: {json.dumps(runs[str(c)])}", file=sys.stderr)
     shared = args.gpu and args.one_gpu and part == "afd"
     return {
@@ -164,6 +199,10 @@ def run_part(part: str, args: argparse.Namespace, tmp: Path, out: Path) -> dict[
         "wall_s": round(time.monotonic() - started, 1),
         "placement": gpu_setup.SHARED_PLACEMENT if shared else "own GPU(s)",
     }
+
+
+def spread_of(d: dict[str, float]) -> Spread:
+    return Spread(d["min"], d["median"], d["max"], int(d["n"]))
 
 
 def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -174,6 +213,8 @@ def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "dataset": f"random, {args.num_prompts} prompts, in {args.input_len}, "
         f"out {args.output_len}, ignore_eos",
         "parts_done": [p for p in PARTS if p in state],
+        "repeats": args.repeats,
+        "spread_bound": args.spread_bound,
     }
     gpus = dict(GPUS)
     if state.get("afd", {}).get("placement") == gpu_setup.SHARED_PLACEMENT:
@@ -190,14 +231,18 @@ def summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                 )
         if len(row) == len(PARTS):
             afd, colocated = row["afd"], row["colocated_1gpu"]
-            row["ratio_output_throughput_afd_vs_colocated_1gpu"] = round(
-                afd["output_throughput"] / colocated["output_throughput"], 3
-            )
+            for key, name in (("output_throughput", "output_throughput"),
+                              ("median_tpot_ms", "median_tpot")):  # fmt: skip
+                if f"{key}_spread" in afd and f"{key}_spread" in colocated:
+                    r = ratio(*(spread_of(f[f"{key}_spread"]) for f in (afd, colocated)))
+                    row[f"ratio_{name}_afd_vs_colocated_1gpu"] = round(r.value, 3)
+                    row[f"ratio_{name}_afd_vs_colocated_1gpu_range"] = [
+                        round(r.low, 3), round(r.high, 3)
+                    ]  # fmt: skip
+                else:  # a state file from before the repeats
+                    row[f"ratio_{name}_afd_vs_colocated_1gpu"] = round(afd[key] / colocated[key], 3)
             row["ratio_output_throughput_per_gpu_afd_vs_colocated_1gpu"] = round(
                 afd["output_throughput_per_gpu"] / colocated["output_throughput_per_gpu"], 3
-            )
-            row["ratio_median_tpot_afd_vs_colocated_1gpu"] = round(
-                afd["median_tpot_ms"] / colocated["median_tpot_ms"], 3
             )
         result[f"concurrency_{c}"] = row
     if not args.gpu:
@@ -221,6 +266,12 @@ def main() -> None:
     parser.add_argument("--gpu-memory", type=float, default=0.85)
     parser.add_argument("--start-timeout", type=float, default=0, help="default: 420 / 240 s")
     parser.add_argument("--bench-timeout", type=float, default=480.0)
+    parser.add_argument("--repeats", type=int, default=0, help="per concurrency (default 3 / 2)")
+    parser.add_argument(
+        "--spread-bound", type=float, default=0.0,
+        help=f"widest (max - min) / median over repeats (default {SPREAD_BOUND_GPU} on GPU, "
+        f"{SPREAD_BOUND_CPU} on CPU)",
+    )  # fmt: skip
     parser.add_argument(
         "--one-gpu", action="store_true",
         help="GPU: AFD's two servers share cuda:0 (a check of the path where one GPU is lent; "
@@ -235,6 +286,8 @@ def main() -> None:
     args.input_len = args.input_len or (1024 if gpu else 32)
     args.output_len = args.output_len or (128 if gpu else 8)
     args.start_timeout = args.start_timeout or (420.0 if gpu else 240.0)
+    args.repeats = args.repeats or (3 if gpu else 2)
+    args.spread_bound = args.spread_bound or (SPREAD_BOUND_GPU if gpu else SPREAD_BOUND_CPU)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -242,16 +295,28 @@ def main() -> None:
 
     state_path = Path(args.state) if args.state else None
     state = json.loads(state_path.read_text()) if state_path and state_path.is_file() else {}
+    refused: list[str] = []
     with tempfile.TemporaryDirectory(prefix="afd-serve-bench-") as tmp:
         out = Path(args.out) if args.out else Path(tmp) / "out"
         for part in parts:
             (out / part).mkdir(parents=True, exist_ok=True)
             work = Path(tmp) / part
             work.mkdir()
-            state[part] = run_part(part, args, work, out)
+            try:
+                state[part] = run_part(part, args, work, out)
+            except BenchmarkRefused as exc:  # its reason is kept, none of its figures
+                refused.append(f"{part}: {exc}")
+                state.pop(part, None)
+                print(f"refused: {part}: {exc}", file=sys.stderr, flush=True)
             if state_path:
                 state_path.write_text(json.dumps(state))
-    print(json.dumps(summary(state, args)), flush=True)
+    result = summary(state, args)
+    if refused:
+        head = {k: result[k] for k in ("benchmark", "mode", "model", "dataset", "repeats",
+                                        "spread_bound")}  # fmt: skip
+        print(json.dumps({**head, "refused": refused}), flush=True)
+        sys.exit(REFUSED_EXIT)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

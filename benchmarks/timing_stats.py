@@ -204,3 +204,50 @@ def refuse_late_events(events: Mapping[str, int], what: str) -> None:
             f"{what}: compiles or graph captures inside the timed region ({shown}); "
             "warm-up did not cover every shape"
         )
+
+
+# `vllm bench serve` figures that must be positive, and the median/p99 pairs that must be ordered.
+SERVE_POSITIVE = (
+    "duration", "request_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms",
+    "median_itl_ms", "mean_e2el_ms",
+)  # fmt: skip
+SERVE_ORDERED = ("ttft", "tpot", "itl")
+
+
+def check_serve_run(
+    result: Mapping[str, float], num_prompts: int, output_len: int, concurrency: int, what: str
+) -> None:
+    """Refuses one `vllm bench serve` result that cannot be right: requests not all completed,
+    a time or rate that is not positive, fewer output tokens than asked (--ignore-eos), an
+    output throughput that disagrees with its own token count and duration, a median above its
+    p99, or more output tokens/s than `concurrency` requests in flight can give at the measured
+    mean end-to-end latency (plus TOKENS_PER_S_TOLERANCE)."""
+    if result.get("completed") != num_prompts:
+        raise BenchmarkRefused(
+            f"{what}: {result.get('completed')} of {num_prompts} requests completed"
+        )
+    for key in SERVE_POSITIVE:
+        positive(result.get(key, math.nan), f"{what}: {key}")
+    total = result.get("total_output_tokens")
+    if total is not None:
+        if total != num_prompts * output_len:
+            raise BenchmarkRefused(
+                f"{what}: {total} output tokens, {num_prompts} x {output_len} asked"
+            )
+        measured = total / result["duration"]
+        if abs(result["output_throughput"] / measured - 1) > 0.02:
+            raise BenchmarkRefused(
+                f"{what}: output_throughput {result['output_throughput']:.1f} disagrees with "
+                f"{total} tokens in {result['duration']:.2f} s"
+            )
+    for name in SERVE_ORDERED:
+        median, p99 = result.get(f"median_{name}_ms"), result.get(f"p99_{name}_ms")
+        if median is not None and p99 is not None and median > p99:
+            raise BenchmarkRefused(f"{what}: median {name} {median} ms above its p99 {p99} ms")
+    ceiling = concurrency * output_len * 1e3 / result["mean_e2el_ms"]
+    if result["output_throughput"] > ceiling * (1 + TOKENS_PER_S_TOLERANCE):
+        raise BenchmarkRefused(
+            f"{what}: {result['output_throughput']:.1f} output tokens/s is more than "
+            f"{concurrency} requests in flight give at a mean latency of "
+            f"{result['mean_e2el_ms']:.1f} ms ({ceiling:.1f})"
+        )

@@ -167,3 +167,48 @@ def test_gpu_summary_refuses_runs_that_disagree_or_mixed_mps() -> None:
     }
     with pytest.raises(BenchmarkRefused, match="MPS was on in some runs"):
         gpu_summary(mixed, gpu_args())
+
+
+def serve_result(**over: float) -> dict[str, float]:
+    """A plausible `vllm bench serve` result: 12 prompts, 8 tokens out, concurrency 2."""
+    result = {
+        "completed": 12, "duration": 4.0, "total_output_tokens": 96, "request_throughput": 3.0,
+        "output_throughput": 24.0, "median_ttft_ms": 120.0, "p99_ttft_ms": 200.0,
+        "median_tpot_ms": 60.0, "p99_tpot_ms": 75.0, "median_itl_ms": 60.0, "p99_itl_ms": 90.0,
+        "mean_e2el_ms": 600.0,
+    }  # fmt: skip
+    result.update(over)
+    return result
+
+
+def test_serve_results_that_cannot_be_right_are_refused() -> None:
+    from benchmarks.timing_stats import check_serve_run
+
+    check_serve_run(serve_result(), 12, 8, 2, "ok")
+    cases = {
+        "10 of 12 requests completed": serve_result(completed=10),
+        "median_tpot_ms is -": serve_result(median_tpot_ms=-3.0),
+        "median_ttft_ms is 0": serve_result(median_ttft_ms=0.0),
+        "80 output tokens, 12 x 8 asked": serve_result(total_output_tokens=80),
+        "disagrees with 96 tokens": serve_result(output_throughput=30.0),
+        "median tpot 80.0 ms above its p99": serve_result(median_tpot_ms=80.0),
+        # 2 requests in flight at 300 ms each cannot give 24 tokens/s of 8-token requests
+        "more than 2 requests in flight": serve_result(mean_e2el_ms=300.0 * 2.5),
+    }
+    for reason, result in cases.items():
+        with pytest.raises(BenchmarkRefused, match=reason):
+            check_serve_run(result, 12, 8, 2, "c2")
+
+
+def test_serve_repeats_give_medians_and_refuse_a_wide_spread() -> None:
+    from benchmarks.serve_bench import over_repeats
+
+    runs = [serve_result(output_throughput=t, median_tpot_ms=m)
+            for t, m in ((24.0, 60.0), (23.0, 61.0), (25.0, 59.0))]  # fmt: skip
+    figures = over_repeats(runs, 0.15, "afd, concurrency 2")
+    assert figures["output_throughput"] == 24.0
+    assert figures["output_throughput_spread"] == {"min": 23.0, "median": 24.0, "max": 25.0, "n": 3}
+    assert figures["repeats"] == 3
+    runs[0]["output_throughput"] = 12.0  # a slow first repeat
+    with pytest.raises(BenchmarkRefused, match="output_throughput: spread"):
+        over_repeats(runs, 0.15, "afd, concurrency 2")
