@@ -1,0 +1,230 @@
+"""The GPU-driven hop's protocol: which stream operations each side runs per (layer, stage),
+where its flags live, and when a pair of workers uses it. Pure Python (no CUDA): the CUDA
+executor (`afd_data.gpu_hop`) and the tests' simulator run the same operation lists.
+
+Who touches what
+----------------
+The attention side only touches its *own* memory, so the CUDA graphs it captures (vLLM's FULL
+decode graphs, captured once at start-up) stay valid when an FFN server is replaced: it copies
+its rows into its send slot, raises a "hidden ready" flag per FFN peer, waits for an "output
+ready" flag per FFN peer and resets it, and reads the outputs from its receive slot. The FFN
+side does every cross-process access (through CUDA IPC mappings of the attention worker's
+buffer, opened at connect): it waits on the attention worker's "hidden ready" flag and resets
+it, pulls the rows, computes, pushes each peer its output slice, and raises that peer's "output
+ready" flag. An FFN server captures its own graphs again after every reconnect.
+
+Flags are 32-bit words compared with >= READY, so a captured wait stays valid on every replay
+(the consumer resets a flag to 0 right after its wait). A host watchdog releases a stuck wait by
+writing POISON (>= READY) into the flags its stream waits on, again and again until the stream
+has drained; the step then fails on the host (the poisoned step's outputs are never used).
+
+Slots are the data plane's (`layout.slot`): a slot is written again only after its previous
+contents were consumed, because each layer's answer is the next layer's credit (the FFN side
+pulls layer L's rows before it answers layer L, and the attention side sends layer L + slots
+only after it took the answer of layer L + slots - 1).
+
+Reconnect
+---------
+After a loss, an old FFN stream that is still running could write stale "output ready" flags
+into the attention worker's memory. So at connect the FFN side first drains its stream, then
+writes the new epoch's tag into its DRAINED word in each attention peer's flag area; the
+attention side zeroes its flags only once every FFN peer's DRAINED word shows the new epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+READY = 1
+POISON = 0x7FFF_FFFF
+# AFD_DATA_GPU_HOP: "auto" (the GPU path between peers on one host whose buffers are CUDA
+# memory), "off" (always NIXL).
+GPU_HOP_SETTINGS = ("auto", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loc:
+    """A place in a worker's memory: `owner` ("attention" or "ffn") and its `rank`, an `area`
+    ("hidden_ready", "output_ready", "drained" flags; "send_hidden", "send_router",
+    "recv_output" rows of an attention worker; "recv_hidden", "recv_router", "out" of an FFN
+    worker; "input" for the caller's tensor) and an index into it."""
+
+    owner: str
+    rank: int
+    area: str
+    index: tuple[int, ...] = ()
+    row: int = 0  # first row
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    dst: Loc
+    src: Loc
+    rows: int
+    router: bool = False  # router columns instead of hidden rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    flag: Loc
+    value: int
+    barrier: bool = True  # earlier writes visible first
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    flag: Loc
+    value: int = READY  # until the word is >= value
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    layer: int
+    stage: int
+
+
+Op = Copy | Write | Wait | Compute
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagLayout:
+    """The attention worker's flag words: hidden_ready[slot][ffn_pos],
+    output_ready[slot][ffn_pos], drained[ffn_pos]."""
+
+    num_slots: int
+    num_ffn_peers: int
+
+    @property
+    def words(self) -> int:
+        return 2 * self.num_slots * self.num_ffn_peers + self.num_ffn_peers
+
+    def word(self, area: str, index: tuple[int, ...]) -> int:
+        s, p = self.num_slots, self.num_ffn_peers
+        if area == "drained":
+            (pos,) = index
+            return 2 * s * p + pos
+        slot, pos = index
+        if not (0 <= slot < s and 0 <= pos < p):
+            raise IndexError(f"flag {area}{index} outside {s} slots x {p} peers")
+        base = {"hidden_ready": 0, "output_ready": s * p}[area]
+        return base + slot * p + pos
+
+    def flags_waited_on(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every flag the attention worker's stream waits on (what its watchdog poisons)."""
+        return [
+            ("output_ready", (slot, pos))
+            for slot in range(self.num_slots)
+            for pos in range(self.num_ffn_peers)
+        ]
+
+
+def attention_ops(rank: int, slot: int, rows: int, ffn_peers: int, router: bool) -> list[Op]:
+    """One (layer, stage) on attention rank `rank`: send `rows` rows (from "input") to its
+    `ffn_peers` FFN peers, then wait for each one's output. Everything is its own memory."""
+    me = ("attention", rank)
+    ops: list[Op] = [Copy(Loc(*me, "send_hidden", (slot,)), Loc(*me, "input"), rows)]
+    if router:
+        ops.append(Copy(Loc(*me, "send_router", (slot,)), Loc(*me, "input"), rows, router=True))
+    ops += [Write(Loc(*me, "hidden_ready", (slot, p)), READY) for p in range(ffn_peers)]
+    for p in range(ffn_peers):
+        flag = Loc(*me, "output_ready", (slot, p))
+        ops += [Wait(flag), Write(flag, 0, barrier=False)]
+    return ops
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPeer:
+    """One attention peer as an FFN worker sees it: its rank, this FFN worker's position in its
+    FFN peer list, and its rows of this stage (at `start` in the packed receive slot)."""
+
+    rank: int
+    my_pos: int
+    start: int
+    rows: int
+
+
+def ffn_ops(
+    rank: int, layer: int, stage: int, slot: int, peers: Sequence[AttentionPeer], router: bool
+) -> list[Op]:
+    """One (layer, stage) on FFN rank `rank`: take every attention peer's rows, compute, answer."""
+    me = ("ffn", rank)
+    ops: list[Op] = []
+    for a in peers:
+        ready = Loc("attention", a.rank, "hidden_ready", (slot, a.my_pos))
+        ops += [Wait(ready), Write(ready, 0, barrier=False)]
+        ops.append(
+            Copy(Loc(*me, "recv_hidden", (slot,), a.start), Loc("attention", a.rank, "send_hidden", (slot,)), a.rows)
+        )  # fmt: skip
+        if router:
+            ops.append(
+                Copy(Loc(*me, "recv_router", (slot,), a.start), Loc("attention", a.rank, "send_router", (slot,)), a.rows, router=True)
+            )  # fmt: skip
+    ops.append(Compute(layer, stage))
+    for a in peers:
+        ops.append(
+            Copy(Loc("attention", a.rank, "recv_output", (slot, a.my_pos)), Loc(*me, "out", (), a.start), a.rows)
+        )  # fmt: skip
+        ops.append(Write(Loc("attention", a.rank, "output_ready", (slot, a.my_pos)), READY))
+    return ops
+
+
+def epoch_tag(epoch: int) -> int:
+    """A non-zero 31-bit word naming a membership epoch (what a DRAINED word holds)."""
+    return epoch % 0x7FFF_FFFE + 1
+
+
+# -- which path a pair of workers takes ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuEndpoint:
+    """What a worker's blob says about its GPU hop: the host it runs on and the CUDA IPC handle
+    of its buffer (None where it has no CUDA buffer or could not export one)."""
+
+    host_id: str
+    ipc_handle: bytes
+    buffer_offset: int  # of the data-plane buffer inside the exported allocation
+    flags_offset: int  # of the flag words inside the exported allocation
+
+
+@dataclasses.dataclass(frozen=True)
+class PathChoice:
+    path: str  # "gpu" or "nixl"
+    reason: str
+
+
+def gpu_hop_setting() -> str:
+    value = os.environ.get("AFD_DATA_GPU_HOP", "auto").strip().lower() or "auto"
+    if value not in GPU_HOP_SETTINGS:
+        raise ValueError(
+            f"AFD_DATA_GPU_HOP={value!r}: expected one of {', '.join(GPU_HOP_SETTINGS)}"
+        )
+    return value
+
+
+def choose_path(mine: GpuEndpoint | None, theirs: GpuEndpoint | None, setting: str) -> PathChoice:
+    """The path between two workers, from both blobs alone, so both sides decide alike."""
+    if setting == "off":
+        return PathChoice("nixl", "AFD_DATA_GPU_HOP=off")
+    if mine is None or theirs is None:
+        who = "this worker" if mine is None else "the peer"
+        return PathChoice("nixl", f"{who} has no CUDA IPC buffer (host memory, or not exportable)")
+    if mine.host_id != theirs.host_id:
+        return PathChoice("nixl", "the peer is on another host")
+    return PathChoice("gpu", "same host, CUDA IPC")
+
+
+def one_path(choices: dict[int, PathChoice], what: str) -> PathChoice:
+    """A worker's path over all its peers (rank -> choice): one path for all of them, or a
+    ValueError that names the mix (each peer pair decides alike, but a worker runs one path)."""
+    paths = {c.path for c in choices.values()}
+    if len(paths) > 1:
+        by_path = {p: sorted(r for r, c in choices.items() if c.path == p) for p in paths}
+        raise ValueError(
+            f"{what}: its peers need different paths (GPU-driven to ranks {by_path['gpu']}, "
+            f"NIXL to ranks {by_path['nixl']}); put every peer of a worker on one host, or "
+            "set AFD_DATA_GPU_HOP=off on every worker"
+        )
+    return next(iter(choices.values()))
