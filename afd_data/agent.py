@@ -17,6 +17,7 @@ from afd_ctl.routing import Role
 from afd_data.blob import PeerBlob, encode_blob
 from afd_data.config import TransportConfig
 from afd_data.errors import AfdBadInput
+from afd_data.gpu_protocol import FlagLayout
 from afd_data.layout import BufferLayout
 from afd_data.memory import Array, make_memory
 from afd_data.nixl_loader import import_nixl
@@ -35,6 +36,14 @@ NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
 )
 
 
+def flag_layout(role: Role, layout: BufferLayout) -> FlagLayout:
+    """The GPU hop's flag words of a worker: an attention worker holds them all (every
+    cross-process access is the FFN side's, afd_data.gpu_protocol), an FFN worker none."""
+    if role is Role.ATTENTION:
+        return FlagLayout(layout.num_slots, layout.num_peers)
+    return FlagLayout(0, 0)
+
+
 class LocalAgent:
     """The NIXL agent of one worker and its registered buffer (``nixl``, ``mem``, ``base``)."""
 
@@ -49,7 +58,8 @@ class LocalAgent:
     ):
         self.name = name
         self.mem = make_memory(device)
-        self.base = self.mem.allocate(layout.total_bytes)
+        self.flags = flag_layout(role, layout)
+        self.base = self.mem.allocate(layout.total_bytes, extra_bytes=4 * self.flags.words)
         self._views: dict[tuple[int, int, int, str], Array] = {}
         self.nixl: Any = nixl_agent(
             name, nixl_agent_config(enable_prog_thread=config.progress_thread, backends=["UCX"])
@@ -75,6 +85,7 @@ class LocalAgent:
                 recv_bytes=layout.recv_bytes,
                 device_id=self.mem.device_id,
                 shape=config.shape_fields(),
+                gpu=self.mem.gpu_endpoint(),
             )
         )
 

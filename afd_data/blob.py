@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 
 from afd_ctl.routing import Role
 from afd_data.errors import AfdBadInput
+from afd_data.gpu_protocol import GpuEndpoint
 from afd_data.v1 import blob_pb2
 
 # 2: stage-major slots (layout.py); a version-1 worker lays its slots out differently.
@@ -34,6 +35,8 @@ class PeerBlob:
     device_id: int
     # TransportConfig.shape_fields() of the worker.
     shape: dict[str, Any]
+    # How a peer on the same host maps this worker's buffer (None: NIXL only).
+    gpu: GpuEndpoint | None = None
 
 
 def encode_blob(blob: PeerBlob) -> bytes:
@@ -49,6 +52,15 @@ def encode_blob(blob: PeerBlob) -> bytes:
         ),
         shape=blob_pb2.BufferShape(**blob.shape),
     )
+    if blob.gpu is not None:
+        msg.gpu.CopyFrom(
+            blob_pb2.GpuHop(
+                host_id=blob.gpu.host_id,
+                ipc_handle=blob.gpu.ipc_handle,
+                buffer_offset=blob.gpu.buffer_offset,
+                flags_offset=blob.gpu.flags_offset,
+            )
+        )
     data = msg.SerializeToString()
     if len(data) > MAX_BLOB_BYTES:
         raise AfdBadInput(
@@ -96,7 +108,17 @@ def decode_blob(data: bytes, what: str = "peer blob") -> PeerBlob:
         recv_bytes=msg.recv_region.length,
         device_id=msg.recv_region.device_id,
         shape=shape,
+        gpu=_gpu_endpoint(msg, what),
     )
+
+
+def _gpu_endpoint(msg: Any, what: str) -> GpuEndpoint | None:
+    if not msg.HasField("gpu"):
+        return None
+    gpu = msg.gpu
+    if not gpu.host_id or len(gpu.ipc_handle) != 64:
+        raise AfdBadInput(f"{what}: gpu: needs a host_id and a 64-byte ipc_handle")
+    return GpuEndpoint(gpu.host_id, bytes(gpu.ipc_handle), gpu.buffer_offset, gpu.flags_offset)
 
 
 # Shape fields that may differ between peers: each side checks them with its own rule.

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from afd_data.errors import AfdBadInput
+from afd_data.gpu_protocol import GpuEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,23 @@ _NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
     "int64": np.dtype(np.int64),
 }
 _PAGE = 4096
+_FLAG_ALIGN = 256
+
+
+def host_id() -> str:
+    """Names this host for the GPU hop's path choice: workers with the same id can map each
+    other's CUDA memory. The kernel's boot id (AFD_DATA_HOST_ID overrides it, e.g. to keep a
+    test's "hosts" apart)."""
+    override = os.environ.get("AFD_DATA_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
 
 
 def _shape_error(
@@ -48,7 +66,8 @@ class HostMemory:
     def __init__(self) -> None:
         self._buf: np.ndarray | None = None
 
-    def allocate(self, nbytes: int) -> int:
+    def allocate(self, nbytes: int, extra_bytes: int = 0) -> int:
+        """`extra_bytes`: room for the GPU hop's flag words, which host memory never uses."""
         raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)  # zeroed: touches every page up front
         skip = (-raw.__array_interface__["data"][0]) % _PAGE
         self._buf = raw[skip : skip + nbytes]
@@ -96,6 +115,10 @@ class HostMemory:
     def sync(self) -> None:
         """Host writes are visible at once."""
 
+    def gpu_endpoint(self) -> GpuEndpoint | None:
+        """Host memory takes no part in the GPU-driven hop."""
+        return None
+
 
 class CudaMemory:
     """GPU VRAM in one torch allocation (NIXL memory type VRAM)."""
@@ -132,9 +155,37 @@ class CudaMemory:
                 "memory and UCX falls back to a slow path; unset it for the data plane"
             )
 
-    def allocate(self, nbytes: int) -> int:
-        self._buf = self._torch.zeros(nbytes, dtype=self._torch.uint8, device=self.device)
+    def allocate(self, nbytes: int, extra_bytes: int = 0) -> int:
+        """`nbytes` of data-plane buffer, then `extra_bytes` for the GPU hop's flag words (at
+        `flags_ptr`), in one allocation so one CUDA IPC handle maps both."""
+        self._flags_offset = -(-nbytes // _FLAG_ALIGN) * _FLAG_ALIGN
+        total = self._flags_offset + extra_bytes
+        self._buf = self._torch.zeros(total, dtype=self._torch.uint8, device=self.device)
         return int(self._buf.data_ptr())
+
+    @property
+    def flags_ptr(self) -> int:
+        return int(self._buf.data_ptr()) + self._flags_offset
+
+    def gpu_endpoint(self) -> GpuEndpoint | None:
+        """The CUDA IPC handle of the allocation that holds the buffer, for peers on this host
+        (None, with a warning, where the driver cannot export it: then NIXL only)."""
+        from afd_data.cuda_driver import CudaDriverError, driver
+
+        ptr = int(self._buf.data_ptr())
+        try:
+            cuda = driver()
+            base, _ = cuda.allocation_of(ptr)
+            handle = cuda.ipc_handle(base)
+        except CudaDriverError as exc:
+            logger.warning("data plane on %s: no GPU-driven hop (%s); NIXL only", self.label, exc)
+            return None
+        return GpuEndpoint(host_id(), handle, ptr - base, ptr - base + self._flags_offset)
+
+    def tensor(self, ptr: int, rows: int, cols: int, dtype: str) -> Array:
+        """A (rows, cols) view of this buffer at address `ptr` (inside it)."""
+        offset = ptr - int(self._buf.data_ptr())
+        return self.view(offset, rows, cols, dtype)
 
     def view(self, offset: int, rows: int, cols: int, dtype: str) -> Array:
         t_dtype = self._dtypes[dtype]

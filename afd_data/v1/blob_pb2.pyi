@@ -50,7 +50,7 @@ class MemoryRegion(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class DataPlaneBlob(_message.Message):
-    __slots__ = ("version", "agent_name", "agent_metadata", "role", "role_rank", "mem_type", "recv_region", "shape")
+    __slots__ = ("version", "agent_name", "agent_metadata", "role", "role_rank", "mem_type", "recv_region", "shape", "gpu")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class DataPlaneBlob(_message.Message):
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     RECV_REGION_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
     version: int
     agent_name: str
     agent_metadata: bytes
@@ -67,4 +68,17 @@ class DataPlaneBlob(_message.Message):
     mem_type: str
     recv_region: MemoryRegion
     shape: BufferShape
-    def __init__(self, version: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., mem_type: _Optional[str] = ..., recv_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., shape: _Optional[_Union[BufferShape, _Mapping]] = ...) -> None: ...
+    gpu: GpuHop
+    def __init__(self, version: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., mem_type: _Optional[str] = ..., recv_region: _Optional[_Union[MemoryRegion, _Mapping]] = ..., shape: _Optional[_Union[BufferShape, _Mapping]] = ..., gpu: _Optional[_Union[GpuHop, _Mapping]] = ...) -> None: ...
+
+class GpuHop(_message.Message):
+    __slots__ = ("host_id", "ipc_handle", "buffer_offset", "flags_offset")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    ipc_handle: bytes
+    buffer_offset: int
+    flags_offset: int
+    def __init__(self, host_id: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., buffer_offset: _Optional[int] = ..., flags_offset: _Optional[int] = ...) -> None: ...
