@@ -200,6 +200,8 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vllm.v1.engine.exceptions", "EngineDeadError", ()),
     ("vllm.config.compilation", "CUDAGraphMode.PIECEWISE", ()),
     ("vllm.config.compilation", "CompilationMode.VLLM_COMPILE", ()),
+    ("vllm", "LLM.generate", ("self", "prompts", "sampling_params")),
+    ("vllm", "SamplingParams", ()),
 ]
 
 
@@ -219,6 +221,14 @@ def serve_usage_context() -> Any:
     from vllm.usage.usage_lib import UsageContext
 
     return UsageContext.OPENAI_API_SERVER
+
+
+def offline_llm_classes() -> tuple[type, type]:
+    """(LLM, SamplingParams): vLLM's public offline API, for vllm_ext.testing's reference and
+    benchmark runs (public, but reached here like everything else of vLLM)."""
+    from vllm import LLM, SamplingParams
+
+    return LLM, SamplingParams
 
 
 def flexible_argument_parser() -> type:

@@ -64,6 +64,13 @@ LLM_KWARGS: dict[str, Any] = {
 }
 
 
+def _offline_classes() -> tuple[Any, Any]:
+    """vLLM's LLM and SamplingParams, through compat (the one place that imports vLLM)."""
+    from vllm_ext import compat
+
+    return compat.seams().offline_llm_classes()
+
+
 def apply_cpu_env(overrides: dict[str, str] | None = None) -> None:
     """Sets CPU_ENV (then overrides) in os.environ unless already set; call before importing vLLM."""
     for key, value in {**CPU_ENV, **(overrides or {})}.items():
@@ -80,7 +87,7 @@ def generate(
     """Runs LLM(model).generate greedily; returns per prompt its token ids, text and the
     log-prob of each chosen token."""
     apply_cpu_env()
-    from vllm import LLM, SamplingParams
+    LLM, SamplingParams = _offline_classes()
 
     kwargs = {**LLM_KWARGS, **llm_kwargs}
     t0 = time.perf_counter()
@@ -111,7 +118,7 @@ def bench_decode(
     `repeats`; also the time spent inside the decoder layers' MLP/MoE modules (for AFD: the
     proxies, i.e. the whole round trip to the FFN side) per decode step."""
     apply_cpu_env()
-    from vllm import LLM, SamplingParams
+    LLM, SamplingParams = _offline_classes()
 
     kwargs = {**LLM_KWARGS, **llm_kwargs}
     llm = LLM(model=model, **kwargs)
@@ -167,7 +174,7 @@ def bench_decode_batches(
     timers): per batch, TPOT = (t(N) - t(1)) / (N - 1), best of `repeats`, decode tokens/s, and
     for AFD the exchange's own timers per decode step (post: staging and posting the rows;
     wait: until the FFN's output is back, i.e. FFN compute plus the two hops)."""
-    from vllm import LLM, SamplingParams
+    LLM, SamplingParams = _offline_classes()
 
     llm = LLM(model=model, **{**LLM_KWARGS, **llm_kwargs})
     afd = bool(llm_kwargs.get("additional_config"))
