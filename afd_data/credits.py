@@ -26,9 +26,10 @@ each direction's traffic is the other direction's credit.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from afd_data.errors import AfdBadInput, AfdProtocolError
-from afd_data.notify import Notice
+from afd_data.notify import Kind, Notice
 
 
 @dataclasses.dataclass
@@ -184,3 +185,16 @@ def check_hidden_notice(credits: Credits, n: Notice) -> None:
             + (f" and already took layer {n.layer}" if n.step == step else "")
             + "; dropped (is the attention side replaying an old step?)"
         )
+
+
+# ---------------------------------------------------------------------------- either side
+
+
+def check_arrival(credits: Credits, slot_of: Callable[[int, int], int], n: Notice) -> None:
+    """The inbox's credit check of an arriving notification of the kind this role receives
+    (``slot_of(layer, stage)`` is the receive slot): outputs on the attention side, hidden
+    states on the FFN side."""
+    if n.kind is Kind.OUTPUT:
+        check_output_notice(credits, n, slot_of(n.layer, n.stage))
+    else:
+        check_hidden_notice(credits, n)

@@ -1,15 +1,16 @@
-"""Poller: every wait of the transport, and the first loss of an epoch.
+"""Poller: every wait of the transport, and the one poll they all repeat.
 
 Without a NIXL progress thread nothing moves unless this process calls into NIXL, so a wait is
 a loop of polls (spin briefly, yield, then short sleeps: ``afd_data.poll``), bounded by its
-deadline. Peers awaited longer than ``probe_interval_s`` get a probe notification, so a dead
-process surfaces as a NIXL disconnect long before the bound. The first loss is kept: every
-later wait raises it until the transport reconnects.
+deadline. One poll (``progress``) takes the notifications that arrived into the inbox and
+reaps the write queue's completed WRITEs. Peers awaited longer than ``probe_interval_s`` get a
+probe notification, so a dead process surfaces as a NIXL disconnect long before the bound. The
+first loss is kept in ``afd_data.loss``: every later wait raises it until the transport
+reconnects.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,16 +20,16 @@ from afd_data.agent import NIXL_ERRORS
 from afd_data.config import TransportConfig
 from afd_data.errors import AfdPeerLost
 from afd_data.inbox import Inbox, Key
+from afd_data.loss import Loss
 from afd_data.notify import Kind
 from afd_data.peers import Peer
 from afd_data.poll import Backoff, tighten_timer_slack
-
-logger = logging.getLogger(__name__)
+from afd_data.write_queue import WriteQueue
 
 
 class Poller:
-    """Polls (through ``poll``) until something is ready, probing awaited peers; keeps the
-    loss. ``where`` returns the (epoch, step) that probes and losses name."""
+    """Polls NIXL (notifications into ``inbox``, completions out of ``queue``) until
+    something is ready, probing awaited peers; a loss goes to ``loss``."""
 
     def __init__(
         self,
@@ -36,19 +37,30 @@ class Poller:
         agent: Any,
         config: TransportConfig,
         role_rank: int,
-        poll: Callable[[bool], None],
-        where: Callable[[], tuple[int | None, int | None]],
+        inbox: Inbox,
+        queue: WriteQueue,
+        loss: Loss,
     ):
         self.name = name
         self._agent = agent
         self.config = config
         self.role_rank = role_rank
-        self._poll = poll
-        self._where = where
+        self._inbox = inbox
+        self._queue = queue
+        self._loss = loss
         self._backoff = Backoff(
             config.poll_spin_us * 1e-6, config.poll_sleep_us * 1e-6, config.poll_yield_us * 1e-6
         )
-        self.lost: AfdPeerLost | None = None
+
+    def progress(self, raise_lost: bool = True) -> None:
+        """One poll: raises a pending loss, takes notifications, reaps completed WRITEs."""
+        if raise_lost and self._loss.lost is not None:
+            raise self._loss.lost
+        notifs = self._agent.get_new_notifs()
+        if notifs:
+            self._inbox.absorb_all(notifs)
+        if self._queue.inflight:
+            self._queue.reap()
 
     def wait(
         self,
@@ -68,11 +80,11 @@ class Poller:
         while True:
             # What already arrived is delivered even when the peer was reported lost since
             # (it finished its last step and exited): take notifications first.
-            self._poll(False)
+            self.progress(False)
             if ready():
                 return
-            if self.lost is not None:
-                raise self.lost
+            if self._loss.lost is not None:
+                raise self._loss.lost
             now = time.monotonic()
             if now >= deadline:
                 raise on_timeout()
@@ -82,10 +94,11 @@ class Poller:
             backoff.pause(now)
 
     def await_arrivals(
-        self, inbox: Inbox, keys: Sequence[Key], peers: Sequence[Peer], bound: float, what: str
+        self, keys: Sequence[Key], peers: Sequence[Peer], bound: float, what: str
     ) -> None:
-        """Waits until ``keys`` (one per peer, in peer order) all arrived in ``inbox``; at the
+        """Waits until ``keys`` (one per peer, in peer order) all arrived in the inbox; at the
         bound, the first missing peer is lost."""
+        inbox = self._inbox
         arrived = inbox.arrived
 
         def missing() -> list[Peer]:
@@ -95,7 +108,7 @@ class Poller:
             step, layer, stage, _ = keys[0]
             gone = missing()
             others = f" (also missing: {', '.join(p.label for p in gone[1:])})" if gone[1:] else ""
-            return self.lose(
+            return self._loss.lose(
                 gone[0],
                 f"no {what} for step {step} layer {layer} stage {stage} within {bound} s"
                 f"{others}; the peer is dead or stuck: wait for the control plane's new "
@@ -104,35 +117,35 @@ class Poller:
 
         self.wait(lambda: inbox.complete(keys), bound, on_timeout, missing)
 
+    def await_slot(self, slot: int) -> None:
+        """Waits until no local WRITE still reads send staging slot ``slot``."""
+        queue = self._queue
+        if queue.slot_busy[slot]:
+            self.wait(
+                lambda: not queue.slot_busy[slot],
+                self.config.transfer_timeout_s,
+                lambda: queue.timeout_loss(f"reusing send slot {slot}"),
+                lambda: [x[1] for x in queue.inflight if x[2] == slot],
+            )
+
+    def await_all(self, timeout_s: float | None) -> None:
+        """Waits until every WRITE posted has completed locally (flush)."""
+        queue = self._queue
+        if not queue.inflight:
+            return
+        self.wait(
+            lambda: not queue.inflight,
+            self.config.transfer_timeout_s if timeout_s is None else timeout_s,
+            lambda: queue.timeout_loss("flush"),
+            lambda: [x[1] for x in queue.inflight],
+        )
+
     def probe(self, peers: list[Peer]) -> None:
         """A tiny notification to each awaited peer: NIXL raises a disconnect for a dead one."""
-        epoch, step = self._where()
+        epoch, step = self._loss.where()
         msg = notify.pack(Kind.PROBE, epoch or 0, step or 0, 0, 0, self.role_rank, 0)
         for peer in {id(p): p for p in peers}.values():
             try:
                 self._agent.send_notif(peer.agent_name, msg)
             except NIXL_ERRORS as e:
-                raise self.lose(peer, f"disconnected ({type(e).__name__} {e})") from None
-
-    def lose(self, peer: Peer, detail: str) -> AfdPeerLost:
-        """Records the loss (every later call raises it until reconnect) and returns it."""
-        if self.lost is None:
-            epoch, step = self._where()
-            self.lost = AfdPeerLost(
-                f"{peer.label}: {detail} [epoch {epoch}, step {step}]",
-                peer=f"{peer.spec.role.label}:{peer.spec.role_rank}",
-                epoch=epoch,
-            )
-            logger.warning("data plane %s: %s", self.name, self.lost)
-        return self.lost
-
-    def report(self, peer: str, detail: str) -> None:
-        """A loss the control plane reported (any thread may call this); the first one stays."""
-        if self.lost is None:
-            epoch, _ = self._where()
-            self.lost = AfdPeerLost(
-                f"{detail} in epoch {epoch}; reconnect() with the new epoch's peers",
-                peer=peer,
-                epoch=epoch,
-            )
-            logger.warning("data plane %s: %s", self.name, self.lost)
+                raise self._loss.lose(peer, f"disconnected ({type(e).__name__} {e})") from None

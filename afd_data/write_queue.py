@@ -4,14 +4,14 @@ The transfer handle for a (slot, local row, remote row, rows) is prepared once p
 the descriptor lists built at connect (one descriptor per row, so a transfer only picks
 indices) and re-posted afterwards; at most ``handles_per_peer`` are kept, least recently used
 evicted, never one in flight. A WRITE not yet complete keeps its send staging slot busy: the
-slot is rewritten only after the WRITEs out of it completed (``await_slot``, bounded).
+slot is rewritten only after the WRITEs out of it completed (the poller's ``await_slot``,
+bounded). A WRITE that fails loses its peer (``afd_data.loss``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,15 +20,11 @@ from afd_data.agent import NIXL_ERRORS
 from afd_data.config import TransportConfig
 from afd_data.errors import AfdBadInput, AfdPeerLost
 from afd_data.layout import RowTable
+from afd_data.loss import Loss
 from afd_data.notify import Kind
 from afd_data.peers import Peer
 
 logger = logging.getLogger(__name__)
-
-# wait(ready, timeout_s, on_timeout, awaited): polls until ready() (the transport's loop).
-Wait = Callable[
-    [Callable[[], bool], float, Callable[[], AfdPeerLost], Callable[[], list[Peer]]], None
-]
 
 
 class WriteQueue:
@@ -42,8 +38,7 @@ class WriteQueue:
         send_dlist: Any,
         num_slots: int,
         config: TransportConfig,
-        lose: Callable[[Peer, str], AfdPeerLost],
-        wait: Wait,
+        loss: Loss,
     ):
         self.name = name
         self._agent = agent
@@ -51,8 +46,7 @@ class WriteQueue:
         self._send_dlist = send_dlist
         self._num_slots = num_slots
         self.config = config
-        self._lose = lose
-        self._wait = wait
+        self._loss = loss
         # Local WRITEs not yet complete: (handle, peer, slot); per-slot count.
         self.inflight: list[tuple[Any, Peer, int]] = []
         self.slot_busy = [0] * num_slots
@@ -84,13 +78,13 @@ class WriteQueue:
         try:
             state = self._agent.transfer(handle, msg)
         except NIXL_ERRORS as e:
-            raise self._lose(
+            raise self._loss.lose(
                 peer,
                 f"WRITE of {kind.name.lower()} layer {layer} stage {stage} "
                 f"failed: {type(e).__name__} {e}",
             ) from None
         if state == "ERR":
-            raise self._lose(
+            raise self._loss.lose(
                 peer, f"WRITE of {kind.name.lower()} layer {layer} stage {stage} returned ERR"
             )
         if state != "DONE":
@@ -123,7 +117,9 @@ class WriteQueue:
                 "WRITE", self._send_dlist, local, peer.dlist, remote, b""
             )
         except NIXL_ERRORS as e:
-            raise self._lose(peer, f"preparing a WRITE failed: {type(e).__name__} {e}") from None
+            raise self._loss.lose(
+                peer, f"preparing a WRITE failed: {type(e).__name__} {e}"
+            ) from None
 
     def _evict(self, peer: Peer) -> None:
         """Keeps at most handles_per_peer handles, never releasing one in flight."""
@@ -154,39 +150,19 @@ class WriteQueue:
             try:
                 state = self._agent.check_xfer_state(handle)
             except NIXL_ERRORS as e:
-                raise self._lose(peer, f"WRITE failed: {type(e).__name__} {e}") from None
+                raise self._loss.lose(peer, f"WRITE failed: {type(e).__name__} {e}") from None
             if state == "DONE":
                 self.slot_busy[slot] -= 1
             elif state == "ERR":
-                raise self._lose(peer, "WRITE failed (ERR)")
+                raise self._loss.lose(peer, "WRITE failed (ERR)")
             else:
                 still.append(entry)
         self.inflight = still
 
-    def await_slot(self, slot: int) -> None:
-        """Waits until no local WRITE still reads send staging slot ``slot``."""
-        if self.slot_busy[slot]:
-            self._wait(
-                lambda: not self.slot_busy[slot],
-                self.config.transfer_timeout_s,
-                lambda: self._timeout(f"reusing send slot {slot}"),
-                lambda: [x[1] for x in self.inflight if x[2] == slot],
-            )
-
-    def await_all(self, timeout_s: float | None) -> None:
-        """Waits until every WRITE posted has completed locally (flush)."""
-        if not self.inflight:
-            return
-        self._wait(
-            lambda: not self.inflight,
-            self.config.transfer_timeout_s if timeout_s is None else timeout_s,
-            lambda: self._timeout("flush"),
-            lambda: [x[1] for x in self.inflight],
-        )
-
-    def _timeout(self, what: str) -> AfdPeerLost:
+    def timeout_loss(self, what: str) -> AfdPeerLost:
+        """The loss of a WRITE that did not complete in time (the poller's waits raise it)."""
         peer = self.inflight[0][1]
-        return self._lose(
+        return self._loss.lose(
             peer,
             f"a WRITE did not complete within {self.config.transfer_timeout_s} s ({what}); the "
             "peer is dead or stuck",

@@ -2,7 +2,7 @@
 
 No NIXL agent and no process here: the inbox takes notifications as the bytes a peer's WRITE
 carries (``afd_data.notify.pack``), and the credit rules are plain functions over a Credits
-value. The last test builds one real transport to check that ``NixlTransport(...)`` is the
+value. The last test builds one real transport to check that ``NixlTransport(...)`` takes the
 endpoint of its role.
 """
 
@@ -181,8 +181,8 @@ def test_ffn_credits() -> None:
 # ---------------------------------------------------------------------------- endpoints
 
 
-def test_transport_is_the_endpoint_of_its_role() -> None:
-    """One real NIXL agent per role (nothing connected): the role picks the class once."""
+def test_transport_takes_the_endpoint_of_its_role() -> None:
+    """One real NIXL agent per role (nothing connected): the role picks the endpoint once."""
     from afd_data import NixlTransport, TransportConfig
     from afd_data.endpoints import AttentionEndpoint, FfnEndpoint
 
@@ -192,6 +192,6 @@ def test_transport_is_the_endpoint_of_its_role() -> None:
         ("ffn", FfnEndpoint, "send_hidden"),
     ):
         with NixlTransport(f"unit-{role}-{os.getpid()}", role, 0, cfg) as t:
-            assert type(t) is cls and isinstance(t, NixlTransport)
+            assert type(t._endpoint) is cls
             with pytest.raises(AfdBadInput, match=f"{foreign}\\(\\) is for .* this is {role}"):
                 getattr(t, foreign)(0, 0, None)
