@@ -163,8 +163,7 @@ def test_watch_says_what_it_watches_before_any_event(start_daemon, procs, tmp_pa
 def test_ffn_start_up_says_at_once_that_afd_ctl_does_not_answer():
     """The FFN server's first contact (before any vLLM work): a daemon that is not running is
     reported within seconds while it keeps retrying, not after the whole connect timeout."""
-    from vllm_ext.control import ControlAccess
-    from vllm_ext.exchange import expected_counts
+    from vllm_ext.control import ControlAccess, expected_counts
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,7 +174,7 @@ def test_ffn_start_up_says_at_once_that_afd_ctl_does_not_answer():
         def emit(self, record: logging.LogRecord) -> None:
             records.append((time.monotonic(), record.getMessage()))
 
-    logger = logging.getLogger("vllm_ext.exchange")
+    logger = logging.getLogger("vllm_ext.control")
     handler = Collect(logging.WARNING)
     logger.addHandler(handler)
     start = time.monotonic()

@@ -11,7 +11,9 @@ in vLLM's additional_config, which is logged, hashed and visible in `ps`.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,12 @@ if TYPE_CHECKING:
 TOKEN_ENV = "AFD_CTL_AUTH_TOKEN"
 # Refusals that no retry fixes: the credentials are wrong.
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+# While afd-ctl does not answer at start-up: say so at once, then this often.
+UNANSWERED_LOG_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class AfdCredentialsRefused(RuntimeError):
@@ -122,6 +130,55 @@ class StatusQuery:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+
+
+def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
+    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer; wrong
+    credentials fail at once (AfdCredentialsRefused), saying so."""
+    from afd_ctl.v1 import afd_pb2
+
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_log = started  # the first failure is said at once, then every UNANSWERED_LOG_S
+    query = StatusQuery(access)
+    controller = access.describe()
+    try:
+        while True:
+            try:
+                status = query.get(timeout_s=5)
+                break
+            except grpc.RpcError as exc:
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(
+                        f"afd-ctl at {controller} did not answer within {timeout_s:.0f} s "
+                        f"({exc.code().name}: {exc.details()}); is `afd-ctl serve` running "
+                        "there, with the TLS settings this worker has?"
+                    ) from None
+                if now >= next_log:
+                    if next_log == started:
+                        log.warning(
+                            "afd: afd-ctl at %s does not answer (%s); is `afd-ctl serve` running "
+                            "there? Retrying for up to %.0f s (afd connect_timeout_s)",
+                            controller,
+                            exc.code().name,
+                            timeout_s,
+                        )
+                    else:
+                        log.warning(
+                            "afd: afd-ctl at %s still does not answer after %.0f s (%s); "
+                            "retrying for another %.0f s",
+                            controller,
+                            now - started,
+                            exc.code().name,
+                            deadline - now,
+                        )
+                    next_log = now + UNANSWERED_LOG_S
+                time.sleep(0.5)
+    finally:
+        query.close()
+    counts = {r.role: r.expected for r in status.roles}
+    return counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
 
 
 def _token(path: str) -> str:

@@ -8,7 +8,7 @@ attention peer's rows, concatenated in role-rank order) and `send(layer, stage, 
 peer its slice), then `end_step()` before it idles.
 
 The transports are sized from M and N (attention and FFN ranks) before registering, because
-the rendezvous blob describes the buffers: `expected_counts` asks the daemon.
+the rendezvous blob describes the buffers: `vllm_ext.control.expected_counts` asks the daemon.
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ import torch
 from afd_ctl.routing import Role
 
 if TYPE_CHECKING:
-    from vllm_ext.control import ControlAccess
+    from vllm_ext.gpu_exchange import GpuPath
     from vllm_ext.metrics import AttentionMetrics
 
 log = logging.getLogger(__name__)
-
-# While afd-ctl does not answer at start-up: say so at once, then this often.
-UNANSWERED_LOG_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -45,58 +42,6 @@ class StepShape:
 
     def per_stage(self) -> list[list[int]]:
         return [self.stages[s] for s in sorted(self.stages)]
-
-
-def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
-    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer; wrong
-    credentials fail at once (AfdCredentialsRefused), saying so."""
-    import grpc
-
-    from afd_ctl.v1 import afd_pb2
-    from vllm_ext.control import StatusQuery
-
-    started = time.monotonic()
-    deadline = started + timeout_s
-    next_log = started  # the first failure is said at once, then every UNANSWERED_LOG_S
-    query = StatusQuery(access)
-    controller = access.describe()
-    try:
-        while True:
-            try:
-                status = query.get(timeout_s=5)
-                break
-            except grpc.RpcError as exc:
-                now = time.monotonic()
-                if now > deadline:
-                    raise TimeoutError(
-                        f"afd-ctl at {controller} did not answer within {timeout_s:.0f} s "
-                        f"({exc.code().name}: {exc.details()}); is `afd-ctl serve` running "
-                        "there, with the TLS settings this worker has?"
-                    ) from None
-                if now >= next_log:
-                    if next_log == started:
-                        log.warning(
-                            "afd: afd-ctl at %s does not answer (%s); is `afd-ctl serve` running "
-                            "there? Retrying for up to %.0f s (afd connect_timeout_s)",
-                            controller,
-                            exc.code().name,
-                            timeout_s,
-                        )
-                    else:
-                        log.warning(
-                            "afd: afd-ctl at %s still does not answer after %.0f s (%s); "
-                            "retrying for another %.0f s",
-                            controller,
-                            now - started,
-                            exc.code().name,
-                            deadline - now,
-                        )
-                    next_log = now + UNANSWERED_LOG_S
-                time.sleep(0.5)
-    finally:
-        query.close()
-    counts = {r.role: r.expected for r in status.roles}
-    return counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
 
 
 def _transport(name: str, role: Role, rank: int, *, num_attention: int, num_ffn: int,
@@ -162,8 +107,25 @@ class _Exchange:
         self.router_dtype = _torch_dtype(router[1])
         self.transport = _transport(name, self.ROLE, rank, dtype=dtype, router=router, **sizes)
         self.warmup_timeout_s = warmup_timeout_s
+        self.timeout_s: float = sizes["timeout_s"]
         # This step's bound on each wait for the peers' rows or outputs (None: timeout_s).
         self.wait_bound_s: float | None = None
+        # The GPU-driven hop, where the buffers are CUDA memory; used when connect chooses it.
+        self.gpu: GpuPath | None = None
+        if self.transport.device != "cpu":
+            from vllm_ext.gpu_exchange import GpuPath
+
+            self.gpu = GpuPath(self.transport)
+        self.plan: Any = None  # the open step's afd_data StepPlan on the GPU path
+
+    @property
+    def path(self) -> str:
+        """ "gpu" (the GPUs drive the hop) or "nixl" (the host does), as chosen at connect."""
+        return "gpu" if self.gpu is not None and self.gpu.active else "nixl"
+
+    @property
+    def step_bound_s(self) -> float:
+        return self.wait_bound_s if self.wait_bound_s is not None else self.timeout_s
 
     def blob(self) -> bytes:
         return self.transport.blob()
@@ -175,7 +137,11 @@ class _Exchange:
         from afd_data.rendezvous import peers_from_view
 
         try:
+            if self.gpu is not None:
+                self.gpu.drain("reconnecting to a new membership")
             self.transport.reconnect(view.epoch, peers_from_view(view))
+            if self.gpu is not None:
+                self.gpu.connect(view.epoch, self.warmup_timeout_s or self.timeout_s)
         except AfdBadInput as exc:
             if "buffer shape differs" not in str(exc):
                 raise
@@ -188,14 +154,32 @@ class _Exchange:
 
     def begin_step(self, shape: StepShape) -> None:
         """Sizes the step; the FFN side also checks the payload's epoch (shape.epoch)."""
-        self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
         self.wait_bound_s = self.warmup_timeout_s if shape.warmup else None
+        if self.path == "gpu":
+            assert self.gpu is not None
+            lost, epoch = self.transport.lost, self.transport.epoch
+            if lost is not None:
+                raise lost
+            if shape.epoch is not None and shape.epoch != epoch:
+                from afd_data.errors import AfdStaleEpoch
+
+                raise AfdStaleEpoch(f"step {shape.step_id} is of epoch {shape.epoch}, the data "
+                                    f"plane of epoch {epoch}")  # fmt: skip
+            self.plan = self.gpu.plan(shape.step_id, shape.per_stage())
+            return
+        self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
 
     def end_step(self) -> None:
+        if self.path == "gpu":
+            return  # each role ends a GPU-driven step itself (end_step_gpu / step_enqueued)
         self.transport.end_step()
 
     def close(self) -> None:
-        self.transport.close()
+        try:
+            if self.gpu is not None:
+                self.gpu.close()
+        finally:
+            self.transport.close()
 
 
 class AttentionExchange(_Exchange):
@@ -229,6 +213,34 @@ class AttentionExchange(_Exchange):
         """One layer's round trip: `send`, then `recv`."""
         self.send(layer, stage, hidden_states, router_logits)
         return self.recv(layer, stage, hidden_states)
+
+    def exchange_into(
+        self,
+        layer: int,
+        stage: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """One layer's round trip into `out`. On the GPU path it is only enqueued on the
+        current stream (or captured in a CUDA graph): no host wait until `end_step_gpu`."""
+        if self.path == "gpu":
+            assert self.gpu is not None
+            if router_logits is None and self.transport.config.router_width:
+                router_logits = torch.zeros(hidden_states.shape[0], self.transport.config.router_width,
+                                            dtype=self.router_dtype, device=hidden_states.device)  # fmt: skip
+            self.gpu.exchange(layer, stage, hidden_states, router_logits, out)
+            self.exchanges += 1
+            return
+        out.copy_(self.exchange(layer, stage, hidden_states, router_logits))
+
+    def end_step_gpu(self) -> None:
+        """The GPU path's end of a step on the host: waits for it (bounded); a loss or an
+        overrun fails it (AfdPeerLost / AfdTimeout) before vLLM reads its outputs."""
+        assert self.gpu is not None
+        t0 = time.perf_counter()
+        self.gpu.end_step(self.step_bound_s)
+        self.wait_s += time.perf_counter() - t0
 
     def send(
         self,

@@ -1,6 +1,7 @@
 """How one vLLM worker (an attention rank or an FFN server) links up with its peers, the same
-way on both sides: ask afd-ctl how many ranks of each role it expects (`expected_counts`, which
-sizes the data plane), register, and (re)connect the data plane to each newer complete view.
+way on both sides: ask afd-ctl how many ranks of each role it expects (`expected_counts`, a
+control-plane query in `vllm_ext.control`, which sizes the data plane), register, and
+(re)connect the data plane to each newer complete view.
 
 Each side still decides *when* to reconnect (the attention side before a step, the FFN server
 when a payload or a loss says so); this module is the *how* that both share.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_ext.exchange import expected_counts
+from vllm_ext.control import expected_counts
 
 if TYPE_CHECKING:
     from afd_ctl.client import ControllerClient, WorkerSpec
