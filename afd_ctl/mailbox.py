@@ -7,24 +7,17 @@ skipped silently: the caller cuts the stream off with a reason instead.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections import deque
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-if sys.version_info >= (3, 11):
 
-    async def _wait_with_timeout(event: asyncio.Event, timeout_s: float) -> None:
-        # asyncio.timeout arms one timer; wait_for would also create a task per call, and
-        # this wait runs once per relayed step on every idle session.
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-
-else:
-
-    async def _wait_with_timeout(event: asyncio.Event, timeout_s: float) -> None:
-        await asyncio.wait_for(event.wait(), timeout_s)
+async def _wait_with_timeout(event: asyncio.Event, timeout_s: float) -> None:
+    # asyncio.timeout arms one timer; wait_for would also create a task per call, and this
+    # wait runs once per relayed step on every idle session.
+    async with asyncio.timeout(timeout_s):
+        await event.wait()
 
 
 class MailboxClosed(Exception):
@@ -83,5 +76,5 @@ class Mailbox(Generic[T]):
                 continue
             try:
                 await _wait_with_timeout(self._ready, timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None

@@ -93,7 +93,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         requests = aiter(request_iterator)
         try:
             first = await asyncio.wait_for(anext(requests), liveness_s)
-        except (asyncio.TimeoutError, StopAsyncIteration):
+        except (TimeoutError, StopAsyncIteration):
             first = None
         if first is None or first.WhichOneof("message") != "register":
             await context.abort(

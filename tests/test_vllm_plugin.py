@@ -108,23 +108,6 @@ def test_vllm_serve_help_lists_the_afd_flags() -> None:
     assert "--afd-controller" in out.stdout and "--afd-role" in out.stdout
 
 
-@pytest.mark.parametrize("asked", [None, "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL"])
-def test_attention_role_never_captures_the_exchange_in_a_full_graph(
-    tiny_model: Path, asked: str | None
-) -> None:
-    """A host-driven NIXL exchange inside a FULL CUDA graph would replay without sending:
-    vLLM's default and explicit FULL modes become PIECEWISE (the exchange between pieces)."""
-    from vllm.config.compilation import CUDAGraphMode
-    from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_ext import hooks
-
-    compilation = {} if asked is None else {"cudagraph_mode": asked}
-    args = EngineArgs(model=str(tiny_model), compilation_config=compilation)
-    hooks._piecewise_graphs_only(args)
-    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
-
-
 def test_qwen3_moe_attention_role_names_the_registered_afd_model(tmp_path: Path) -> None:
     """The attention role's config names the family's AFD model, which vLLM's ModelRegistry
     resolves to the class vllm_ext.families.qwen3_moe defines; the FFN role's is unchanged."""
@@ -194,3 +177,46 @@ def test_dual_batch_overlap_settings_are_checked_naming_what_to_change() -> None
             _check_micro_batching(parallel, config)
     for parallel in (dp2, ParallelConfig(enable_dbo=True)):  # DP 2 and DP 1 are accepted
         _check_micro_batching(parallel, afd("attention"))
+
+
+# Run as `python -c`: break vllm_ext before vLLM loads its plugins, then run the `vllm` CLI.
+BROKEN_AFD = {
+    # Where Python 3.10 failed (enum.StrEnum, issue 22); the stdlib needs StrEnum itself on
+    # 3.11, so the module is made unimportable instead of the name removed.
+    "afd_ctl.routing": "import sys; sys.modules['afd_ctl.routing'] = None",
+    # What `import vllm_ext` (vLLM's plugin.load) imported at its top.
+    "vllm_ext.compat": "import sys; sys.modules['vllm_ext.compat'] = None",
+}
+
+
+@pytest.mark.line_independent
+@pytest.mark.parametrize("breakage", sorted(BROKEN_AFD))
+def test_a_broken_plugin_never_breaks_vllm_without_afd(breakage: str, tiny_model: Path) -> None:
+    """Installing this package must never make a `vllm serve` without AFD fail: vLLM calls
+    plugin functions without a `try`, so register() swallows what fails and says so in one
+    line. With vllm_ext broken, vLLM loads its plugins, builds an engine config for the tiny
+    model and runs `vllm serve --help` (which loads the plugins as a start does) to exit 0."""
+    script = "; ".join(
+        (
+            BROKEN_AFD[breakage],
+            "import sys",
+            "from vllm.plugins import load_general_plugins",
+            "load_general_plugins()",
+            "from vllm.engine.arg_utils import EngineArgs",
+            f"config = EngineArgs(model={str(tiny_model)!r}, dtype='float32')"
+            ".create_engine_config()",
+            "print('worker:', config.parallel_config.worker_cls)",
+            "sys.argv = ['vllm', 'serve', '--help']",
+            "from vllm.entrypoints.cli.main import main",
+            "main()",
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+    )
+    both = out.stdout + out.stderr
+    assert out.returncode == 0, both[-3000:]
+    assert "worker: vllm.v1.worker.cpu_worker.CPUWorker" in out.stdout
+    assert "usage: vllm serve" in out.stdout
+    assert both.count("vllm_ext: AFD is unavailable in this process") == 1, both[-3000:]
+    assert "Traceback" not in both, both[-3000:]
