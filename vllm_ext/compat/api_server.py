@@ -1,0 +1,51 @@
+"""Seam: the API process of an attention server: `vllm/v1/engine/async_llm.py`
+`AsyncLLM.check_health` and `vllm/entrypoints/generate/base/serving.py`
+`GenerateBaseServing._raise_if_error` / `_convert_generation_error_to_streaming_response`.
+
+Why: `/health` must report the FFN side's state (afd-ctl's view), and a request that failed
+because the FFN side is down must be a 503 that says so (a streamed one an error event), not
+"Internal server error".
+Upstream change that makes it unnecessary: a plugin health-check hook, and a typed request
+error a worker can raise that the OpenAI server maps to 503 with its message.
+Remove when: every supported line has both.
+"""
+
+from __future__ import annotations
+
+# (module, attribute path, parameters relied on): checked against the installed vLLM.
+SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
+    ("vllm.v1.engine.async_llm", "AsyncLLM.check_health", ("self",)),
+    (
+        "vllm.entrypoints.generate.base.serving",
+        "GenerateBaseServing._raise_if_error",
+        ("self", "finish_reason", "request_id"),
+    ),
+    (
+        "vllm.entrypoints.generate.base.serving",
+        "GenerateBaseServing._convert_generation_error_to_streaming_response",
+        ("self", "e"),
+    ),
+    (
+        "vllm.entrypoints.generate.base.serving",
+        "GenerateBaseServing.create_streaming_error_response",
+        ("self", "message", "err_type", "status_code"),
+    ),
+    ("vllm.v1.engine.exceptions", "EngineDeadError", ()),
+]
+
+
+def api_server_classes() -> tuple[type, type]:
+    """(AsyncLLM, GenerateBaseServing): `check_health` answers /health; `_raise_if_error`
+    turns a request finished with an error into the HTTP error, and
+    `_convert_generation_error_to_streaming_response` into a stream's error event."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM, GenerateBaseServing
+
+
+def engine_dead_error() -> type[Exception]:
+    """vLLM's /health route answers 503 for this class (vllm/v1/engine/exceptions.py)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return EngineDeadError

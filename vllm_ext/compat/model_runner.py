@@ -1,0 +1,53 @@
+"""Seam: the V1 model runner's private methods the AFD attention runner overrides
+(`vllm/v1/worker/gpu_model_runner.py` `GPUModelRunner`: `_determine_batch_execution_and_padding`,
+`_model_forward`, `_dummy_run`; CPUModelRunner inherits them) and the tuple the first returns.
+
+Why: `_determine_batch_execution_and_padding` is where vLLM fixes a step's padded token
+counts (every DP rank's too) in execute_model and _dummy_run alike: the AFD step opens there,
+so its payload travels while the inputs are prepared. `_model_forward` is the model call on
+the runner's thread (a micro-batch thread's failure is raised there); `_dummy_run` says which
+steps are profile, warm-up or capture runs.
+Upstream change that makes it unnecessary: a runner hook "step shape decided" with the padded
+counts and the step's kind (profile, warm-up, capture, replay), and one after the forward.
+Remove when: every supported line has such hooks.
+"""
+
+from __future__ import annotations
+
+# (module, attribute path, parameters relied on): checked against the installed vLLM.
+SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._determine_batch_execution_and_padding",
+        ("self", "num_tokens"),
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._dummy_run",
+        ("self", "num_tokens", "is_profile", "is_graph_capturing"),
+    ),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model", ("self",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward", ("self",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", ("self",)),
+]
+
+
+def padding_decision(result: tuple) -> tuple[int, list[int] | None, str, bool]:
+    """(padded rows, every DP rank's rows or None, CUDA graph runtime mode name, whether the
+    step runs as micro-batches) from what GPUModelRunner._determine_batch_execution_and_padding
+    returned: (cudagraph mode, batch descriptor, ubatch flag, num_tokens_across_dp, stats) on
+    both lines; read by type, not by position, so a reordering fails clearly instead of
+    silently."""
+    import torch
+
+    desc = next((r for r in result if type(r).__name__ == "BatchDescriptor"), None)
+    mode = next((r for r in result if type(r).__name__ == "CUDAGraphMode"), None)
+    ubatch = [r for r in result if isinstance(r, bool)]
+    if desc is None or len(ubatch) != 1:
+        raise RuntimeError(
+            "vLLM's _determine_batch_execution_and_padding returned no BatchDescriptor or no "
+            "single ubatch flag; vllm_ext (AFD) needs updating for this vLLM"
+        )
+    across = next((r for r in result if isinstance(r, torch.Tensor)), None)
+    rows = None if across is None else [int(n) for n in across.tolist()]
+    return int(desc.num_tokens), rows, getattr(mode, "name", "NONE"), ubatch[0]
