@@ -55,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-blob-bytes", type=int, metavar="B", help="data-plane blob limit (1 MiB)"
     )
     serve.add_argument(
+        "--max-watch-streams",
+        type=int,
+        metavar="K",
+        help="open health Watch and Tap streams, in total (1024)",
+    )
+    serve.add_argument(
+        "--max-watch-streams-per-client",
+        type=int,
+        metavar="K",
+        help="open health Watch and Tap streams per client host (64)",
+    )
+    serve.add_argument(
         "--drain-grace-s", type=float, metavar="S", help="SIGTERM/stop grace before exit (5.0)"
     )
     serve.add_argument(

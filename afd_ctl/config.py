@@ -26,6 +26,10 @@ class DaemonConfig:
     # Messages queued per worker session before a slow subscriber is cut off.
     subscriber_queue: int = 4096
     max_blob_bytes: int = 1 << 20
+    # Streams that only watch (health Watch, which needs no token, and Tap): open at once in
+    # total and per client host; more are refused with RESOURCE_EXHAUSTED.
+    max_watch_streams: int = 1024
+    max_watch_streams_per_client: int = 64
     # Time the daemon gives workers to hang up after STOP on SIGTERM/SIGINT or `afd-ctl stop`.
     drain_grace_s: float = 5.0
     # 0: off; -1: a port the kernel picks, named in the "metrics on" log line.
@@ -51,6 +55,11 @@ class DaemonConfig:
             raise ValueError(f"--subscriber-queue must be >= 8, got {self.subscriber_queue}")
         if not 0 < self.max_blob_bytes <= 1 << 20:
             raise ValueError(f"--max-blob-bytes must be in (0, 1 MiB], got {self.max_blob_bytes}")
+        if not 1 <= self.max_watch_streams_per_client <= self.max_watch_streams:
+            raise ValueError(
+                "--max-watch-streams-per-client must be in [1, --max-watch-streams], got "
+                f"{self.max_watch_streams_per_client} and {self.max_watch_streams}"
+            )
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
         if not -1 <= self.metrics_port < 65536:

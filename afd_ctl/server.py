@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from afd_ctl.auth import BearerTokenInterceptor
@@ -27,6 +27,7 @@ from afd_ctl.membership import FFN
 from afd_ctl.servicer import ControllerServicer, InspectServicer
 from afd_ctl.tls import server_credentials
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+from afd_ctl.watch_limits import BoundedHealthServicer, WatchLimits
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,10 @@ class ControllerServer:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.controller = Controller(config)
-        self.health = health.aio.HealthServicer()
+        self.watch_limits = WatchLimits(
+            config.max_watch_streams, config.max_watch_streams_per_client
+        )
+        self.health = BoundedHealthServicer(self.watch_limits)
         self.address = ""
         self._server: grpc.aio.Server | None = None
         self._drain_task: asyncio.Task[None] | None = None
@@ -87,7 +91,7 @@ class ControllerServer:
             ControllerServicer(self.controller), server
         )
         afd_pb2_grpc.add_AFDInspectServicer_to_server(
-            InspectServicer(self.controller, self.request_drain), server
+            InspectServicer(self.controller, self.request_drain, self.watch_limits), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -19,6 +19,7 @@ from afd_ctl.mailbox import MailboxClosed
 from afd_ctl.malformed import MalformedRequest
 from afd_ctl.membership import WorkerSpec
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+from afd_ctl.watch_limits import WatchLimits, refuse
 from afd_ctl.wire import PROTO_TO_ROLE, PUBLISH_SECRET_METADATA, WORKER_ID_METADATA
 
 log = logging.getLogger(__name__)
@@ -188,9 +189,15 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
 
 
 class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
-    def __init__(self, controller: Controller, request_stop: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        request_stop: Callable[[str], int],
+        watch_limits: WatchLimits | None = None,
+    ) -> None:
         self.controller = controller
         self.request_stop = request_stop
+        self.watch_limits = watch_limits or WatchLimits(1 << 30, 1 << 30)
 
     async def GetStatus(  # noqa: N802
         self, request: afd_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
@@ -213,10 +220,15 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
     async def Tap(  # noqa: N802
         self, request: afd_pb2.TapRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        tap = self.controller.add_tap(request.include_payloads, context.peer())
-        # Headers now, not with the first event: the client can tell it is subscribed.
-        await context.send_initial_metadata(())
+        peer = context.peer()
+        why = self.watch_limits.acquire(peer, "Tap")
+        if why is not None:
+            await refuse(context, why)
+            return
+        tap = self.controller.add_tap(request.include_payloads, peer)
         try:
+            # Headers now, not with the first event: the client can tell it is subscribed.
+            await context.send_initial_metadata(())
             while True:
                 try:
                     event = await tap.mailbox.get()
@@ -228,6 +240,7 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
                     return
         finally:
             self.controller.remove_tap(tap)
+            self.watch_limits.release(peer)
 
     async def Stop(  # noqa: N802
         self, request: afd_pb2.StopRequest, context: grpc.aio.ServicerContext
