@@ -14,6 +14,14 @@ bandwidth averaged over both directions), for afd and raw NIXL; the floor is S /
 Before timing, a verification pass echoes random data through both paths and checks every
 byte. Rendezvous: blobs over the child's stdin/stdout.
 
+Round trips run in 4 interleaved rounds (afd, raw, afd, raw, ...) per size; each size reports
+the min/median/max of the rounds' p50s (`*_p50_rounds_us`). What refuses a run (exit status 3,
+the reason on stderr and in {"refused": ...}; no figure of it is printed): a time or bandwidth
+that is not positive and finite, a p50 above its p99, rounds' p50s spreading wider than
+--spread-bound ((max - min) / median, default 0.5: the hosts are shared and the round trips
+tens of µs), or a bandwidth more than 25% above the copy floor (a transfer cannot beat a copy
+of the same bytes).
+
     python benchmarks/data_plane.py --quick               # CPU: host DRAM, numpy
     python benchmarks/data_plane.py --quick --device cuda  # GPU: VRAM, torch
 
@@ -39,10 +47,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.timing_stats import BenchmarkRefused, bounded_spread, positive  # noqa: E402
+
 HIDDEN = 7168
 ROW_BYTES = HIDDEN * 2  # bf16
 TOKENS = (64, 128, 256)
 LAYERS_PER_STEP = 61  # DeepSeek-V3
+REFUSED_EXIT = 3
+# The fastest a transfer may seem against the copy floor before the run is refused.
+FLOOR_TOLERANCE = 1.25
 PREFIX = "@@ "  # protocol lines on the child's stdout; anything else is ignored
 # AFD_BENCH_PROFILE=DIR: both processes run their afd_data calls under cProfile and write the
 # top functions by own time to DIR/profile-<side>.txt (timings are then not comparable).
@@ -449,6 +462,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
         "progress_thread": args.progress_thread,
+        "spread_bound": args.spread_bound,
     }
     raw_sizes = [tok * ROW_BYTES for tok in tokens_list] + [bw_bytes]
     bufs = Buffers(args.device)
@@ -609,10 +623,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # Interleave afd and raw in rounds so drift on a shared host hits both alike.
             afd_times: list[float] = []
             raw_times: list[float] = []
+            afd_rounds: list[float] = []
+            raw_rounds: list[float] = []
             for _ in range(4):
-                afd_times += afd_rt(tokens, LAYERS_PER_STEP, -(-steps // 4), echo=False)
-                raw_times += raw_rt(i, -(-rt_iters // 4), echo=False)
+                afd_round = afd_rt(tokens, LAYERS_PER_STEP, -(-steps // 4), echo=False)
+                raw_round = raw_rt(i, -(-rt_iters // 4), echo=False)
+                afd_times += afd_round
+                raw_times += raw_round
+                afd_rounds.append(pctl(afd_round, 50) * 1e6)
+                raw_rounds.append(pctl(raw_round, 50) * 1e6)
             label = size_label(tokens)
+            for name, rounds in (("rt", afd_rounds), ("raw_nixl_rt", raw_rounds)):
+                spread = bounded_spread(rounds, args.spread_bound, f"{name} {label} p50 (µs)")
+                result[f"{name}_{label}_p50_rounds_us"] = spread.as_dict(1)
             result[f"rt_{label}_p50_us"] = round(pctl(afd_times, 50) * 1e6, 1)
             result[f"rt_{label}_p99_us"] = round(pctl(afd_times, 99) * 1e6, 1)
             result[f"raw_nixl_rt_{label}_p50_us"] = round(pctl(raw_times, 50) * 1e6, 1)
@@ -667,11 +690,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "verified": verified,
             }
         )
+        check_figures(result)
         profile.dump()
         return result
     finally:
         t.close()
         child.close()
+
+
+def check_figures(result: dict[str, Any]) -> None:
+    """Refuses figures that cannot be right (module docstring)."""
+    for key, value in result.items():
+        if key.endswith(("_us", "_GBps")) and not isinstance(value, dict):
+            positive(value, key)
+        if key.endswith("_p50_us"):
+            p99 = result.get(key[: -len("_p50_us")] + "_p99_us")
+            if p99 is not None and value > p99:
+                raise BenchmarkRefused(f"{key} {value} is above its p99 {p99}")
+    if result["ratio_bw_vs_floor"] > FLOOR_TOLERANCE:
+        raise BenchmarkRefused(
+            f"bandwidth {result['bw_256MiB_GBps']} GB/s beats the copy floor "
+            f"{result['floor_bw_256MiB_GBps']} GB/s by more than {FLOOR_TOLERANCE - 1:.0%}"
+        )
 
 
 def main() -> None:
@@ -693,6 +733,10 @@ def main() -> None:
         action="store_true",
         help="NIXL progress thread in every agent (TransportConfig.progress_thread)",
     )
+    p.add_argument(
+        "--spread-bound", type=float, default=0.5,
+        help="widest (max - min) / median of the rounds' p50 round trips",
+    )  # fmt: skip
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--raw-sizes", help=argparse.SUPPRESS)
@@ -704,7 +748,12 @@ def main() -> None:
         serve(args)
         return
     started = time.monotonic()
-    result = run(args)
+    try:
+        result = run(args)
+    except BenchmarkRefused as exc:
+        print(f"refused: {exc}", file=sys.stderr, flush=True)
+        print(json.dumps({"benchmark": "data_plane", "refused": [str(exc)]}), flush=True)
+        sys.exit(REFUSED_EXIT)
     out = {
         "benchmark": "data_plane",
         "device": args.device if args.device == "cpu" else _gpu_name(args.device),
@@ -716,6 +765,7 @@ def main() -> None:
         "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
         "progress_thread": args.progress_thread,
+        "spread_bound": args.spread_bound,
         "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
         **result,
         "wall_s": round(time.monotonic() - started, 1),

@@ -390,13 +390,30 @@ def summary_head(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in keep if k in summary}
 
 
+def cpu_mla_backend() -> tuple[list[str], list[str]]:
+    """Runner and FFN-server flags naming vLLM's reference CPU MLA backend on vLLM 0.32: its CPU
+    platform prefers the AMX MLA backend on CPUs with AMX tiles, which packs weights only in
+    16-bit types and fails on the float32 tiny model. vLLM 0.26 runs DeepSeek on CPU without
+    MLA (offline.CPU_ENV), so it needs nothing."""
+    from vllm_ext.testing.offline import _installed_vllm_line
+
+    if _installed_vllm_line() == "0.26":
+        return [], []
+    return (
+        ["--llm-kwargs", json.dumps({"attention_backend": "CPU_MLA"})],
+        ["--attention-backend", "CPU_MLA"],
+    )
+
+
 def cpu_run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="afd-e2e-") as tmp:
-        out = Path(tmp)
+        out = Path(args.keep or tmp)
+        out.mkdir(parents=True, exist_ok=True)
         model = build_tiny_deepseek(out / "model", version=args.version)
         layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-        bench = ["--batches", str(args.batch), "--mlp-timers"]
+        runner_mla, ffn_mla = cpu_mla_backend()
+        bench = ["--batches", str(args.batch), "--mlp-timers", *runner_mla]
         env = vllm_env(in_process=True)
         colocated = Proc(runner_argv(model, args, *bench), out / "colocated.log", env)
         try:
@@ -405,7 +422,7 @@ def cpu_run(args: argparse.Namespace) -> dict[str, Any]:
             colocated.stop()
 
         daemon = Daemon(out / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
-        ffn = Proc(ffn_argv(model, daemon.address), out / "ffn.log", vllm_env())
+        ffn = Proc(ffn_argv(model, daemon.address, *ffn_mla), out / "ffn.log", vllm_env())
         attention = Proc(
             runner_argv(
                 model,
@@ -483,6 +500,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--version", type=int, default=2, choices=(2, 3))
+    parser.add_argument("--keep", default="", help="CPU: keep the model and logs in this folder")
     parser.add_argument(
         "--spread-bound", type=float, default=0.0,
         help=f"widest (max - min) / median over repeats (default {SPREAD_BOUND_GPU} on GPU, "

@@ -212,3 +212,20 @@ def test_serve_repeats_give_medians_and_refuse_a_wide_spread() -> None:
     runs[0]["output_throughput"] = 12.0  # a slow first repeat
     with pytest.raises(BenchmarkRefused, match="output_throughput: spread"):
         over_repeats(runs, 0.15, "afd, concurrency 2")
+
+
+def test_data_plane_figures_that_cannot_be_right_are_refused() -> None:
+    from benchmarks.data_plane import check_figures
+
+    good = {
+        "rt_1p75MiB_p50_us": 90.0, "rt_1p75MiB_p99_us": 140.0,
+        "rt_1p75MiB_p50_rounds_us": {"min": 88.0, "median": 90.0, "max": 95.0, "n": 4},
+        "bw_256MiB_GBps": 300.0, "floor_bw_256MiB_GBps": 320.0, "ratio_bw_vs_floor": 0.94,
+    }  # fmt: skip
+    check_figures(good)
+    with pytest.raises(BenchmarkRefused, match="rt_1p75MiB_p50_us 150.0 is above its p99"):
+        check_figures({**good, "rt_1p75MiB_p50_us": 150.0})
+    with pytest.raises(BenchmarkRefused, match="rt_1p75MiB_p50_us is 0.0"):
+        check_figures({**good, "rt_1p75MiB_p50_us": 0.0})
+    with pytest.raises(BenchmarkRefused, match="beats the copy floor"):
+        check_figures({**good, "bw_256MiB_GBps": 480.0, "ratio_bw_vs_floor": 1.5})
