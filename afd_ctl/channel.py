@@ -75,3 +75,56 @@ def open_channel(
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """The token as call metadata (the daemon takes the scheme in any case, RFC 7235)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+# How often in a row a connection closed during the handshake, before anything was
+# registered, is taken as a refusal of this client's TLS settings rather than a passing fault.
+CLOSED_IN_HANDSHAKE_STRIKES = 3
+
+
+def tls_problem(details: str, target: str, tls: ClientTls | None) -> tuple[str, bool] | None:
+    """What an UNAVAILABLE call's `details` say about TLS, if anything: (one line naming the
+    files and the mismatch, whether it is certain). A certain one (the daemon's certificate
+    fails this client's checks, or the daemon does not speak TLS) is never transient; a
+    connection the daemon closed during the handshake (it refused our certificate, or we sent
+    it plaintext) is only taken as one when it repeats (CLOSED_IN_HANDSHAKE_STRIKES)."""
+    ca = f"the CA in {tls.ca_cert}" if tls is not None and tls.ca_cert else "the system's CAs"
+    if "Hostname Verification" in details or "Peer name" in details:
+        name = (tls.server_name if tls is not None else "") or target.rpartition(":")[0]
+        return (
+            f"TLS to afd-ctl at {target}: its certificate does not name {name!r}; connect by "
+            "a name or address the daemon's --tls-cert lists, or set the name it lists "
+            "(afd tls_server_name, AFD_CTL_TLS_SERVER_NAME)",
+            True,
+        )
+    if "WRONG_VERSION_NUMBER" in details:
+        return (
+            f"TLS to afd-ctl at {target}: it does not speak TLS (WRONG_VERSION_NUMBER); drop "
+            "the TLS settings, or start the daemon with --tls-cert and --tls-key",
+            True,
+        )
+    if "CERTIFICATE_VERIFY_FAILED" in details or "andshake failed" in details:
+        reason = details.rpartition("OPENSSL_internal:")[2].strip().removesuffix(": OK")
+        return (
+            f"TLS to afd-ctl at {target}: the handshake failed ({reason or details}); the "
+            f"daemon's certificate must be signed by {ca}",
+            True,
+        )
+    if details.rstrip().endswith("Socket closed"):
+        if tls is None:
+            hint = (
+                "if it serves TLS (--tls-cert), give its CA (afd tls_ca, --tls-ca, AFD_CTL_TLS_CA)"
+            )
+        elif tls.client_cert:
+            hint = (
+                f"if it requires client certificates (--tls-client-ca), {tls.client_cert} "
+                "must be signed by that CA"
+            )
+        else:
+            hint = (
+                "if it requires client certificates (--tls-client-ca), give a certificate "
+                "and key signed by that CA (afd tls_client_cert and tls_client_key, "
+                "--tls-cert and --tls-key)"
+            )
+        return f"afd-ctl at {target} closed the connection while it was set up: {hint}", False
+    return None

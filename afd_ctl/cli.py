@@ -15,7 +15,13 @@ import grpc
 from google.protobuf import json_format
 
 from afd_ctl import __version__
-from afd_ctl.channel import DEFAULT_CONTROLLER, ClientTls, auth_metadata, open_channel
+from afd_ctl.channel import (
+    DEFAULT_CONTROLLER,
+    ClientTls,
+    auth_metadata,
+    open_channel,
+    tls_problem,
+)
 from afd_ctl.config import DaemonConfig
 from afd_ctl.tls import TlsFileError
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
@@ -247,8 +253,13 @@ def run_client_command(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         code = exc.code()
         hint = ""
+        problem = None
         if code == grpc.StatusCode.UNAVAILABLE:
+            problem = tls_problem(exc.details() or "", args.controller, tls)
             hint = f"; is `afd-ctl serve` running at {args.controller}?"
+        if problem is not None:
+            print(f"afd-ctl {args.command}: {problem[0]}", file=sys.stderr)
+            return 1
         elif code == grpc.StatusCode.UNAUTHENTICATED:
             hint = "; pass --token or set AFD_CTL_AUTH_TOKEN"
         print(f"afd-ctl {args.command}: {code.name}: {exc.details()}{hint}", file=sys.stderr)

@@ -74,7 +74,7 @@ class ControllerClient:
             data_plane_blob=self.data_plane_blob,
         )
         self._link = SessionLink(
-            stub, metadata, register, self._view, self._handle, liveness_timeout_s
+            stub, metadata, register, self._view, self._handle, liveness_timeout_s, tls
         )
 
     # -- registration --------------------------------------------------------------------

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from afd_ctl.channel import CLOSED_IN_HANDSHAKE_STRIKES, ClientTls, tls_problem
 from afd_ctl.errors import AfdControllerUnreachable, AfdRejected
 from afd_ctl.membership_view import MembershipView
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
@@ -47,8 +48,13 @@ class SessionLink:
         view: MembershipView,
         on_message: Callable[[afd_pb2.SessionMessage], None],
         liveness_timeout_s: float,
+        tls: ClientTls | None = None,
     ) -> None:
         self._stub = stub
+        self._tls = tls
+        # Until the first registration, a TLS handshake that fails is a setting to fix, not an
+        # outage to ride out: it ends connect() at once, naming the file (issue 22).
+        self._ever_registered = False
         self._metadata = metadata
         self._register = register
         self._view = view
@@ -79,6 +85,7 @@ class SessionLink:
     def _run(self) -> None:
         view = self._view
         backoff = BACKOFF_MIN_S
+        handshake_strikes = 0
         while True:
             hung_up, ended = threading.Event(), threading.Event()
             with self._cond:
@@ -122,6 +129,15 @@ class SessionLink:
                 if not registered_here and code in PERMANENT_CODES:
                     log.error("afd-ctl refused registration: %s: %s", code.name, details)
                     view.on_fatal(AfdRejected(code.name, details or ""))
+                    return
+                self._ever_registered = self._ever_registered or registered_here
+                problem = None
+                if not self._ever_registered and code == grpc.StatusCode.UNAVAILABLE:
+                    problem = tls_problem(details or "", view.target, self._tls)
+                handshake_strikes = handshake_strikes + 1 if problem else 0
+                if problem and (problem[1] or handshake_strikes >= CLOSED_IN_HANDSHAKE_STRIKES):
+                    log.error("%s", problem[0])
+                    view.on_fatal(AfdRejected(code.name, problem[0]))
                     return
                 if registered_here or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK):
                     what = "unreachable"

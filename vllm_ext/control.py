@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from afd_ctl.channel import ClientTls, auth_metadata, open_channel
+from afd_ctl.channel import (
+    CLOSED_IN_HANDSHAKE_STRIKES,
+    ClientTls,
+    auth_metadata,
+    open_channel,
+    tls_problem,
+)
 
 if TYPE_CHECKING:
     from afd_ctl.client import ControllerClient, WorkerSpec
@@ -100,6 +106,17 @@ class ControlAccess:
             "tls_client_key"
         )
 
+    def tls_refused(self, exc: grpc.RpcError, strikes: int) -> AfdCredentialsRefused | None:
+        """The error to raise when `exc` says the TLS settings do not fit the daemon (at once
+        when certain, after CLOSED_IN_HANDSHAKE_STRIKES in a row when the daemon only closed
+        the connection); else None."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        problem = tls_problem(exc.details() or "", self.controller, self.tls)
+        if problem is None or not (problem[1] or strikes >= CLOSED_IN_HANDSHAKE_STRIKES):
+            return None
+        return AfdCredentialsRefused(problem[0])
+
 
 class StatusQuery:
     """GetStatus on one reused channel (the API server asks every /health)."""
@@ -142,12 +159,17 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
     next_log = started  # the first failure is said at once, then every UNANSWERED_LOG_S
     query = StatusQuery(access)
     controller = access.describe()
+    strikes = 0  # handshakes in a row the daemon closed
     try:
         while True:
             try:
                 status = query.get(timeout_s=5)
                 break
             except grpc.RpcError as exc:
+                strikes = strikes + 1 if "Socket closed" in (exc.details() or "") else 0
+                refused = access.tls_refused(exc, strikes)
+                if refused is not None:
+                    raise refused from None
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(
