@@ -89,6 +89,8 @@ class AttentionSession:
         # An AFD failure inside a micro-batch's thread (vLLM's dual-batch overlap does not
         # carry a thread's exception out): raised on the runner's own thread after the forward.
         self._stage_failure: BaseException | None = None
+        # The open step is a FULL-graph capture: its exchanges are recorded, not run.
+        self._recorded = False
         # (stage, hand-over) of the running micro-batch; vLLM's ubatching through compat.
         self.micro_batch: Callable[[], tuple[int, Callable[[], None]]] = _micro_batch
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
@@ -170,6 +172,11 @@ class AttentionSession:
         if afd.profile_dir:
             self._profiler = _StepProfiler(afd, f"attention-{self.dp_rank}")
 
+    @property
+    def exchange_path(self) -> str:
+        """ "gpu" or "nixl": the path the data plane chose at connect."""
+        return self._exchange.path if self._exchange is not None else "nixl"
+
     def stats(self) -> dict[str, float]:
         """The data plane's per-layer split on this rank (see AttentionExchange.stats)."""
         return self._exchange.stats() if self._exchange is not None else {}
@@ -208,6 +215,7 @@ class AttentionSession:
         across_dp: list[int] | None,
         flags: StepFlags,
         stage_tokens: list[int] | None = None,
+        full_graph: bool = False,
     ) -> None:
         """Opens a step as soon as its token counts are known: sizes the data plane, then (on a
         designated sender) publishes the AFDControlPayload. The runner calls it right after
@@ -218,7 +226,11 @@ class AttentionSession:
         `stage_tokens`: under dual-batch overlap, each micro-batch's rows (padded); vLLM pads
         micro-batches alike on every DP rank, so every rank's count per stage is the same.
         Raises AfdStepFailed when the FFN side cannot serve this step (lost, not yet back):
-        the engine fails the step's requests and stays up (vllm_ext.step_failures)."""
+        the engine fails the step's requests and stays up (vllm_ext.step_failures).
+
+        `full_graph`: vLLM runs this step as a FULL CUDA graph. Capturing one records the
+        GPU-driven exchange without running it, so such a step is not published (the FFN
+        side has nothing to serve; it captures its own graphs when the replays come)."""
         if self._exchange is None or self._client is None:
             raise RuntimeError("afd: attention session is closed")
         if self._shape is not None:
@@ -241,7 +253,13 @@ class AttentionSession:
             # Data-plane state first (buffers for this step), then the control message; the
             # step counts as open (see _finish_abandoned_step) only once it is published.
             self._exchange.begin_step(shape)
-            if self._is_sender:
+            self._recorded = full_graph and flags.is_graph_capturing
+            if self._recorded and self._exchange.path != "gpu":
+                raise RuntimeError(
+                    "afd: vLLM captures a FULL CUDA graph but the exchange is host-driven "
+                    "(NIXL): it would be captured once and never run; vllm_ext bug"
+                )
+            if self._is_sender and not self._recorded:
                 payload = make_payload(
                     self.step_id,
                     shape.stages,
@@ -256,13 +274,18 @@ class AttentionSession:
             self._forwards_left = len(stage_rows)
             self._stage_failure = None
             self._capturing = flags.is_graph_capturing
-            self._count_flags(flags, counts)
+            self._count_flags(flags, counts, recorded=self._recorded)
         if self._profiler is not None:
             self._profiler.step(self.step_id)
 
-    def _count_flags(self, flags: StepFlags, counts: list[int]) -> None:
-        """Steps published per flag: the FFN side must capture and replay exactly these."""
-        if flags.is_graph_capturing:
+    def _count_flags(self, flags: StepFlags, counts: list[int], recorded: bool = False) -> None:
+        """Steps published per flag: the FFN side must capture and replay exactly these. A
+        FULL-graph capture is not published (it runs nothing): counted apart."""
+        if recorded:
+            self.flag_counts["full_graph_captures"] = (
+                self.flag_counts.get("full_graph_captures", 0) + 1
+            )
+        elif flags.is_graph_capturing:
             self.flag_counts["capture_steps"] += 1
             self._capture_keys.add(tuple(counts))
         elif flags.is_graph_replaying:
@@ -302,9 +325,24 @@ class AttentionSession:
             self._layers_done,
             self.num_layers,
         )
-        zeros = [torch.zeros(rows, self.hidden_size, dtype=self.dtype) for rows in self._stage_rows]
+        device = self._exchange.transport.device if self._exchange.path == "gpu" else "cpu"
+        zeros = [
+            torch.zeros(rows, self.hidden_size, dtype=self.dtype, device=device)
+            for rows in self._stage_rows
+        ]
         try:
             with _step_failures(step_id):
+                if self._exchange.path == "gpu":
+                    self._shape = None
+                    if self._recorded:
+                        return
+                    for layer in range(min(self._layers_done), self.num_layers):
+                        for stage, done in enumerate(self._layers_done):
+                            if done <= layer:
+                                out = torch.empty_like(zeros[stage])
+                                self._exchange.exchange_into(layer, stage, zeros[stage], None, out)
+                    self._exchange.end_step_gpu()
+                    return
                 for layer in range(min(self._layers_done), self.num_layers):
                     todo = [s for s, done in enumerate(self._layers_done) if done <= layer]
                     for stage in todo:
@@ -378,34 +416,50 @@ class AttentionSession:
         return across_dp
 
     def exchange(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One layer's FFN round trip for the running micro-batch. Under dual-batch overlap the
-        rows go out, the other micro-batch runs (its attention computes while the FFN side
-        computes these rows) until it yields back, then the output is taken."""
+        """One layer's FFN round trip for the running micro-batch, into `output` (allocated
+        when None) and returned. Under dual-batch overlap the rows go out, the other
+        micro-batch runs (its attention computes while the FFN side computes these rows) until
+        it yields back, then the output is taken. On the GPU path the round trip is only
+        enqueued on the stream (or captured into vLLM's FULL graph); end_step waits for it."""
         exchange, shape = self._exchange, self._shape
         if exchange is None or shape is None:
             raise RuntimeError("afd: FFN exchange outside a step")
-        if self._capturing:
+        if output is None:
+            output = torch.empty_like(hidden_states)
+        if self._capturing and not torch.cuda.is_current_stream_capturing():
+            # Piecewise capture: the pieces before this op were recorded, not run.
             hidden_states = torch.zeros_like(hidden_states)
             router_logits = None if router_logits is None else torch.zeros_like(router_logits)
         stage, hand_over = self.micro_batch()
         overlapped = len(self._stage_rows) > 1
         if overlapped and self._stage_failure is not None:
             hand_over()  # the step failed in a micro-batch: keep the hand-overs paired
-            return torch.zeros_like(hidden_states)
+            return output.zero_()
         handed_over = False
         try:
             with _step_failures(
                 shape.step_id, layer_idx, recoverable=self.tp_size == 1, on_failure=self._failed
             ):
-                if not overlapped:
-                    out = exchange.exchange(layer_idx, stage, hidden_states, router_logits)
+                if exchange.path == "gpu":
+                    exchange.exchange_into(layer_idx, stage, hidden_states, router_logits, output)
+                    if overlapped:
+                        handed_over = True
+                        hand_over()
+                    out = output
+                elif not overlapped:
+                    exchange.exchange_into(layer_idx, stage, hidden_states, router_logits, output)
+                    out = output
                 else:
                     exchange.send(layer_idx, stage, hidden_states, router_logits)
                     handed_over = True
                     hand_over()
-                    out = exchange.recv(layer_idx, stage, hidden_states)
+                    out = output.copy_(exchange.recv(layer_idx, stage, hidden_states))
         except Exception as exc:
             if not overlapped:
                 raise
@@ -415,7 +469,7 @@ class AttentionSession:
             self._stage_failure = exc
             if not handed_over:
                 hand_over()
-            return torch.zeros_like(hidden_states)
+            return output.zero_()
         self._layers_done[stage] = layer_idx + 1
         return out
 
@@ -435,12 +489,24 @@ class AttentionSession:
         if self._stage_failure is not None:
             return  # the step is abandoned: the next open_step completes it
         if self._exchange is not None and self._shape is not None:
+            shape, self._shape = self._shape, None
             with _step_failures(
-                self._shape.step_id, recoverable=self.tp_size == 1, on_failure=self._failed
+                shape.step_id, recoverable=self.tp_size == 1, on_failure=self._failed
             ):
-                self._exchange.end_step()
+                if self._exchange.path == "gpu":
+                    if not self._recorded:
+                        self._exchange.end_step_gpu()
+                else:
+                    self._exchange.end_step()
             self._metrics.flush()
         self._shape = None
+
+    def finish_forward(self) -> None:
+        """After vLLM's model call returned (runner side): a step still open here ran as a
+        replayed FULL CUDA graph, which runs no forward hooks; it ends now."""
+        if self._shape is not None and self._stage_failure is None:
+            self._forwards_left = 1
+            self.end_step()
 
     def _failed(self, exc: BaseException) -> None:
         """Counts a failed step by reason (afd_failed_steps_total)."""

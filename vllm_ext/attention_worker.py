@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_ext import compat, model_split
+from vllm_ext import compat, hooks, model_split
 from vllm_ext.attention_session import AttentionSession, StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
@@ -66,6 +66,9 @@ class AfdAttentionRunnerMixin:
         session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
         session.start()
         self._afd_session = session
+        # The exchange path is known now, before vLLM resolves its CUDA graph mode (at KV
+        # cache set-up): FULL graphs need the GPU-driven exchange.
+        hooks.graphs_for_exchange_path(self.vllm_config, session.exchange_path)  # type: ignore[attr-defined]
         # On the model itself, not on vLLM's wrapper (UBatchWrapper under --enable-dbo): under
         # dual-batch overlap the hooks run once per micro-batch.
         built.register_forward_pre_hook(self._afd_begin_step, with_kwargs=True)
@@ -90,7 +93,9 @@ class AfdAttentionRunnerMixin:
         if not flags.is_graph_capturing and graph_mode != "NONE":
             flags = flags.replaying()
         assert self._afd_session is not None
-        self._afd_session.open_step(num_tokens, across_dp, flags, stage_tokens)
+        self._afd_session.open_step(
+            num_tokens, across_dp, flags, stage_tokens, full_graph=graph_mode == "FULL"
+        )
         return result
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,6 +104,7 @@ class AfdAttentionRunnerMixin:
         output = super()._model_forward(*args, **kwargs)  # type: ignore[misc]
         assert self._afd_session is not None
         self._afd_session.raise_stage_failure()
+        self._afd_session.finish_forward()  # a replayed FULL graph ran no forward hooks
         return output
 
     def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -120,7 +126,10 @@ class AfdAttentionRunnerMixin:
             is_graph_capturing=bool(kwargs.get("is_graph_capturing", False)),
         )
         try:
-            return super()._dummy_run(num_tokens, *args, **kwargs)  # type: ignore[misc]
+            result = super()._dummy_run(num_tokens, *args, **kwargs)  # type: ignore[misc]
+            if self._afd_session is not None:
+                self._afd_session.finish_forward()  # a replayed FULL graph ran no hooks
+            return result
         finally:
             self._afd_flags = None
 

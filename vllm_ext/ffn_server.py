@@ -149,6 +149,7 @@ class FfnWorker:
             self._connect(view)
             while not self._stop.is_set():
                 try:
+                    self._check_gpu_steps()
                     payload = self._client.next_payload(timeout_s=IDLE_POLL_S)
                     if self._follow_epoch(payload):
                         self.run_step(payload)
@@ -199,6 +200,12 @@ class FfnWorker:
     def _poll_idle(self) -> None:
         if self._exchange is not None:
             self._exchange.transport.poll_idle()
+
+    def _check_gpu_steps(self) -> None:
+        """GPU-driven path: retires finished steps; one past its bound (or under a lost peer)
+        raises AfdPeerLost here, in the loop that reconnects."""
+        if self._exchange is not None and self._exchange.gpu is not None:
+            self._exchange.gpu.check()
 
     def _follow_epoch(self, payload: Any) -> bool:
         """True when the data plane is in the payload's epoch, reconnecting it first when the
@@ -342,6 +349,9 @@ class FfnWorker:
         exchange = self._exchange
         exchange.begin_step(shape)
         self.graphs.begin_step(payload)
+        if exchange.path == "gpu":
+            self._enqueue_gpu_step(payload, sorted(stages))
+            return
         recv_s = compute_s = send_s = 0.0
         with self.engine.step_scope():
             for layer in range(self.engine.num_layers):
@@ -368,6 +378,37 @@ class FfnWorker:
         if self.steps == 1 or self.steps % 1000 == 0:
             log.info(
                 "afd ffn %s: %d steps served (last %d)", self.worker_id, self.steps, payload.step_id
+            )
+
+    def _enqueue_gpu_step(self, payload: Any, stages: list[int]) -> None:
+        """The GPU-driven path: every layer of the step goes onto the stream at once (wait for
+        the rows, compute, answer: afd_data.gpu_hop), and the host moves on to the next
+        payload; `GpuPath.check` notices a step that overruns its bound. The host's time here
+        is enqueueing, counted as compute."""
+        assert self._exchange is not None and self._exchange.gpu is not None
+        gpu, plan = self._exchange.gpu, self._exchange.plan
+        t0 = time.perf_counter()
+        with self.engine.step_scope():
+            for layer in range(self.engine.num_layers):
+                for stage in stages:
+
+                    def compute(x: Any, router: Any, layer: int = layer, stage: int = stage) -> Any:
+                        return self.graphs.run(layer, stage, x, router)
+
+                    gpu.run_layer(layer, stage, plan, compute)
+        gpu.step_enqueued(payload.step_id, self._exchange.step_bound_s)
+        enqueue_s = time.perf_counter() - t0
+        self.compute_s += enqueue_s
+        self._recent.append((0.0, enqueue_s, 0.0))
+        self._metrics.step(enqueue_s, 0.0, self.graphs.mode)
+        self.steps += 1
+        self.two_stage_steps += len(stages) > 1
+        if self.steps == 1 or self.steps % 1000 == 0:
+            log.info(
+                "afd ffn %s: %d steps served (last %d, GPU-driven)",
+                self.worker_id,
+                self.steps,
+                payload.step_id,
             )
 
 

@@ -158,7 +158,6 @@ def _wrap_create_engine_config(engine_args_cls: type) -> None:
             pinned = compat.seams().pin_v1_model_runner()
             if pinned:
                 log.info("afd attention: %s", pinned)
-            _piecewise_graphs_only(self)
             _micro_batching_backend(self)
         if afd.role is Role.ATTENTION and not self.shutdown_timeout:
             # With vLLM's default (0: abort) the API server kills the engine core at once on
@@ -199,63 +198,58 @@ def _micro_batching_backend(engine_args: Any) -> None:
 MICRO_BATCHING_BACKENDS = ("deepep_low_latency", "deepep_high_throughput", "nixl_ep")
 
 
-# The attention model's AFD exchange op (vllm_ext.model_split): a host-driven NIXL transfer.
+# The attention model's AFD exchange op (vllm_ext.model_split).
 EXCHANGE_OP = "afd::ffn_exchange"
-
-
-def _piecewise_graphs_only(engine_args: Any) -> None:
-    """The AFD exchange is driven from the host (NIXL's host API): inside a FULL CUDA graph it
-    would run once at capture and never again on replay, so the attention side must never
-    capture it. vLLM's default (FULL_AND_PIECEWISE) and explicit FULL / FULL_DECODE_ONLY
-    become PIECEWISE: graph pieces between the exchanges, the exchange itself eager."""
-    cuda_graph_mode, _ = compat.seams().compilation_enums()
-    compilation = engine_args.compilation_config
-    mode = compilation.cudagraph_mode
-    if isinstance(mode, str):
-        mode = cuda_graph_mode[mode.upper()]
-    if mode is None:
-        if not engine_args.enforce_eager:
-            log.info(
-                "afd attention: CUDA graphs PIECEWISE instead of vLLM's default "
-                "FULL_AND_PIECEWISE: the AFD exchange runs eagerly between graph pieces"
-            )
-        compilation.cudagraph_mode = cuda_graph_mode.PIECEWISE
-    elif mode.has_full_cudagraphs():
-        log.warning(
-            "afd attention: cudagraph_mode %s is not possible with AFD: a full CUDA graph would "
-            "capture the host-driven AFD exchange once and replay without sending anything; "
-            "running PIECEWISE instead (graph pieces between the exchanges, the exchange eager)",
-            mode.name,
-        )
-        compilation.cudagraph_mode = cuda_graph_mode.PIECEWISE
 
 
 def _exchange_between_graph_pieces(vllm_config: Any) -> None:
     """Piecewise compilation splits the model at `splitting_ops` (vLLM fills its attention ops
-    there when the user gives none): the exchange joins them, so it runs eagerly between the
-    captured pieces, never inside one."""
-    cuda_graph_mode, compilation_mode = compat.seams().compilation_enums()
+    there when the user gives none): the exchange joins them, so under PIECEWISE graphs it runs
+    eagerly between the captured pieces (a host-driven exchange must; a GPU-driven one may).
+    The CUDA graph mode the user asked for (vLLM's default FULL_AND_PIECEWISE included) stays:
+    whether FULL graphs can hold the exchange is known at connect (graphs_for_exchange_path)."""
+    _, compilation_mode = compat.seams().compilation_enums()
     compilation = vllm_config.compilation_config
     if compilation.mode != compilation_mode.VLLM_COMPILE:
         return
-    if compilation.cudagraph_mode.has_full_cudagraphs():  # vLLM changed it after us
-        raise ValueError(
-            f"afd attention: vLLM chose cudagraph_mode {compilation.cudagraph_mode.name}, which "
-            "would capture the host-driven AFD exchange; pass "
-            '--compilation-config \'{"cudagraph_mode": "PIECEWISE"}\' or --enforce-eager'
-        )
-    if compilation.cudagraph_mode == cuda_graph_mode.NONE:
-        return  # nothing is captured: the compiled graph may hold the exchange
     ops = compilation.splitting_ops
     if not ops:
-        raise ValueError(
-            "afd attention: piecewise CUDA graphs need split points, and splitting_ops is "
-            "empty; leave --compilation-config splitting_ops unset (vLLM then splits at its "
-            f"attention ops and AFD adds {EXCHANGE_OP!r}) or pass --enforce-eager"
-        )
+        return  # no pieces (e.g. FULL_DECODE_ONLY): the exchange sits inside the compiled graph
     if EXCHANGE_OP not in ops:
         ops.append(EXCHANGE_OP)
     log.info("afd attention: %s splits the model's CUDA graph pieces", EXCHANGE_OP)
+
+
+def graphs_for_exchange_path(vllm_config: Any, path: str) -> None:
+    """Called once the data plane chose its path (at load_model, before vLLM resolves its CUDA
+    graph mode at KV cache set-up). The GPU-driven exchange runs inside FULL graphs. A
+    host-driven one (NIXL: peers on other hosts) would run once at capture and never on
+    replay, so FULL modes become PIECEWISE (the exchange eager between the pieces) or, where
+    the model was compiled without pieces, no CUDA graphs."""
+    cuda_graph_mode, _ = compat.seams().compilation_enums()
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return
+    if path == "gpu":
+        log.info(
+            "afd attention: cudagraph_mode %s: FULL CUDA graphs capture the GPU-driven exchange",
+            mode.name,
+        )
+        return
+    fallback = (
+        cuda_graph_mode.PIECEWISE
+        if EXCHANGE_OP in (compilation.splitting_ops or [])
+        else cuda_graph_mode.NONE
+    )
+    log.warning(
+        "afd attention: cudagraph_mode %s needs the GPU-driven exchange, and this worker's "
+        "peers use the host-driven NIXL path (another host, or AFD_DATA_GPU_HOP=off): running "
+        "%s instead",
+        mode.name,
+        fallback.name,
+    )
+    compilation.cudagraph_mode = fallback
 
 
 def validate(vllm_config: Any, afd: AfdConfig) -> None:

@@ -28,9 +28,9 @@ from vllm_ext import compat
 
 log = logging.getLogger(__name__)
 
-# Set by the attention worker: layer_idx, hidden_states, router logits or None -> FFN output
-# of the same shape as hidden_states.
-Exchange = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# Set by the attention worker: layer_idx, hidden_states, router logits or None, output: writes
+# the FFN output (shaped like hidden_states) into output.
+Exchange = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
 _exchange: Exchange | None = None
 
 
@@ -52,7 +52,7 @@ def ffn_exchange(
         raise RuntimeError(
             "afd: an AFD attention model ran without an attention session (vllm_ext bug)"
         )
-    output.copy_(_exchange(layer_idx, hidden_states, router_logits))
+    _exchange(layer_idx, hidden_states, router_logits, output)
 
 
 @ffn_exchange.register_fake

@@ -300,13 +300,26 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         case.row["ffn_stats"] = [stats_line(f.log(), "stats") for f in ffns]
         case.row["attention_flag_counts"] = stats_line(attention.log(), "afd attention flags")
         case.row["afd_graph_note"] = _graph_note(attention.log())
+        case.row["exchange_path"] = _exchange_path(attention.log())
+        case.row["ffn_exchange_path"] = [_exchange_path(f.log()) for f in ffns]
         case.row["graphs_follow_flags"] = graphs_follow_flags(case.row, mode)
         case.row["ok"] = bool(case.row.get("identical_tokens", case.row.get("answered")))
+        if mode != "eager" and case.row["exchange_path"] == "gpu":
+            # FULL graphs on the attention side, the exchange inside them (its log says so).
+            note = case.row["afd_graph_note"] or ""
+            case.row["full_graphs_with_exchange"] = "FULL CUDA graphs capture" in note
+            case.row["ok"] &= case.row["full_graphs_with_exchange"]
         if dbo:  # the FFN side must have seen two-stage steps
             case.row["ok"] &= any(s.get("two_stage_steps", 0) > 0 for s in case.row["ffn_stats"])
     except Exception as exc:
         case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:3000])
     return case.finish(results)
+
+
+def _exchange_path(log: str) -> str | None:
+    """ "gpu" or "nixl", from the worker's "afd data path" log line (the last connect's)."""
+    found = re.findall(r"afd data path: .* uses the (GPU-driven|host-driven NIXL) exchange", log)
+    return None if not found else ("gpu" if found[-1] == "GPU-driven" else "nixl")
 
 
 def _graph_note(log: str) -> str | None:

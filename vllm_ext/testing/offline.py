@@ -53,6 +53,11 @@ if _installed_vllm_line() == "0.26":
     CPU_ENV["VLLM_MLA_DISABLE"] = "1"
 
 
+# vLLM 0.32 prefers its AMX MLA backend on CPUs with AMX tiles, and that backend takes bf16,
+# fp16 or int8 weights only: these float32 runs ask for its reference CPU MLA backend instead
+# (a model without MLA ignores the setting). 0.26 has no MLA on CPU (VLLM_MLA_DISABLE above).
+CPU_ATTENTION_BACKEND = "CPU_MLA" if _installed_vllm_line() == "0.32" else None
+
 # The engine settings of every offline run (the same as procs.ENGINE_FLAGS for `vllm serve`).
 LLM_KWARGS: dict[str, Any] = {
     "dtype": "float32",
@@ -62,6 +67,8 @@ LLM_KWARGS: dict[str, Any] = {
     "max_num_seqs": 8,
     "seed": 0,
 }
+if CPU_ATTENTION_BACKEND:
+    LLM_KWARGS["attention_backend"] = CPU_ATTENTION_BACKEND
 
 
 def _offline_classes() -> tuple[Any, Any]:

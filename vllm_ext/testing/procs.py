@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_ext.testing.offline import CPU_ENV
+from vllm_ext.testing.offline import CPU_ATTENTION_BACKEND, CPU_ENV
 
 # Same engine settings for every side so that colocated and AFD runs are comparable.
 # --max-num-batched-tokens sizes the data plane, which both roles must agree on: explicit here
@@ -19,6 +19,8 @@ ENGINE_FLAGS = [
     "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
     "--max-num-batched-tokens", "512",
 ]  # fmt: skip
+if CPU_ATTENTION_BACKEND:  # see offline.CPU_ATTENTION_BACKEND
+    ENGINE_FLAGS += ["--attention-backend", CPU_ATTENTION_BACKEND]
 
 
 def bin_path(name: str) -> str:

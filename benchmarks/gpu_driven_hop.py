@@ -1,0 +1,182 @@
+"""The GPU-driven hop of the data plane (afd_data.gpu_hop through vllm_ext.gpu_exchange), measured
+between two real worker processes: an attention side (cuda:0) and an FFN side (cuda:1, or
+cuda:0 with --one-gpu), each with its real NixlTransport and GpuHop, connected as the
+rendezvous would connect them (blobs exchanged as base64 JSON lines on the child's stdin and
+stdout). The FFN side's "compute" is x * 2, so every output row is checked.
+
+- host-synced: the attention host enqueues one round trip and waits for its step's end
+  (GpuPath.end_step, as the vLLM attention worker does per step): p50/p99;
+- graph: `--layers` round trips captured in one CUDA graph on the attention side (as vLLM's
+  FULL decode graph holds them), replayed `--replays` times, timed with CUDA events: the round
+  trip with no host in the loop.
+
+Prints one JSON line last. `--mps` records that the command started MPS (one GPU, both sides
+running concurrently).
+
+    python benchmarks/gpu_driven_hop.py [--rows 128] [--hidden 7168] [--one-gpu] [--mps]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _transport(role: str, device: str, args: argparse.Namespace) -> Any:
+    from afd_data import NixlTransport, TransportConfig
+    from vllm_ext.gpu_exchange import GpuPath
+
+    config = TransportConfig(
+        hidden_size=args.hidden, max_tokens_per_peer=args.rows, dtype="bfloat16",
+        num_attention=1, num_ffn=1, recv_timeout_s=30.0,
+    )  # fmt: skip
+    transport = NixlTransport(f"hop-{role}-{time.time_ns()}", role, 0, config, device=device)
+    return transport, GpuPath(transport)
+
+
+def ffn_main(args: argparse.Namespace) -> None:
+    import torch
+
+    device = f"cuda:{args.ffn_device}"
+    torch.cuda.set_device(device)
+    transport, gpu = _transport("ffn", device, args)
+    print(json.dumps({"blob": base64.b64encode(transport.blob()).decode()}), flush=True)
+    peer = json.loads(sys.stdin.readline())
+    transport.connect(1, [("attention", 0, 0, base64.b64decode(peer["blob"]))])
+    gpu.connect(1, 60.0)
+    plan = gpu.plan(1, [[args.rows]])
+    total = args.iters + args.warmup + (args.replays + 1) * args.layers
+    with torch.inference_mode():
+        for i in range(total):
+            gpu.run_layer(i % args.layers, 0, plan, lambda x, r: x * 2)
+            if i % 256 == 255:
+                gpu.step_enqueued(i, 120.0)
+        gpu.step_enqueued(total, 120.0)
+        while gpu._inflight:
+            gpu.check()
+            time.sleep(0.001)
+    print(json.dumps({"ffn_done": total}), flush=True)
+    gpu.close()
+    transport.close()
+
+
+def attention_main(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.cuda.set_device("cuda:0")
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve-ffn", *sys.argv[1:]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        transport, gpu = _transport("attention", "cuda:0", args)
+        hello = json.loads(child.stdout.readline())
+        child.stdin.write(json.dumps({"blob": base64.b64encode(transport.blob()).decode()}) + "\n")
+        child.stdin.flush()
+        transport.connect(1, [("ffn", 0, 0, base64.b64decode(hello["blob"]))])
+        gpu.connect(1, 60.0)
+        result: dict[str, Any] = {
+            "benchmark": "gpu_driven_hop",
+            "path": gpu.hop.path,
+            "gpus": 1 if args.one_gpu else 2,
+            "mps": args.mps,
+            "rows": args.rows,
+            "hidden": args.hidden,
+            "bytes_each_way": args.rows * args.hidden * 2,
+        }
+        hidden = torch.randn(args.rows, args.hidden, device="cuda:0").to(torch.bfloat16)
+        out = torch.empty_like(hidden)
+        samples = []
+        with torch.inference_mode():
+            for i in range(args.warmup + args.iters):
+                t0 = time.perf_counter()
+                gpu.exchange(i % args.layers, 0, hidden, None, out)
+                gpu.end_step(30.0)
+                if i >= args.warmup:
+                    samples.append((time.perf_counter() - t0) * 1e6)
+            ok = bool(torch.equal(out, hidden * 2))
+            q = statistics.quantiles(samples, n=100)
+            result.update(host_synced_rt_p50_us=round(q[49], 1), host_synced_rt_p99_us=round(q[98], 1),
+                          host_synced_rows_ok=ok)  # fmt: skip
+            # Graph mode: every layer's round trip inside one captured graph.
+            out.zero_()
+            graph = torch.cuda.CUDAGraph()
+            start = args.warmup + args.iters
+            with torch.cuda.graph(graph):
+                for layer in range(args.layers):
+                    gpu.exchange((start + layer) % args.layers, 0, hidden, None, out)
+            per_rt = []
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(args.replays + 1):
+                begin.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                per_rt.append(begin.elapsed_time(end) * 1e3 / args.layers)
+            per_rt = per_rt[1:]
+            result.update(
+                graph_rt_p50_us=round(statistics.median(per_rt), 2),
+                graph_rt_min_us=round(min(per_rt), 2),
+                graph_layers_per_replay=args.layers,
+                graph_replays=args.replays,
+                graph_rows_ok=bool(torch.equal(out, hidden * 2)),
+            )
+        done = json.loads(child.stdout.readline())
+        result["ffn_served"] = done.get("ffn_done")
+        gpu.close()
+        transport.close()
+        return result
+    finally:
+        child.wait(timeout=60) if child.poll() is None else None
+        if child.poll() is None:
+            child.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=128, help="128 x 7168 bf16 = 1.75 MiB")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=61, help="round trips per graph")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--one-gpu", action="store_true", help="both sides on cuda:0")
+    parser.add_argument("--mps", action="store_true", help="MPS was started for this run")
+    parser.add_argument("--serve-ffn", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available() or (torch.cuda.device_count() < 2 and not args.one_gpu):
+        print(
+            json.dumps(
+                {"benchmark": "gpu_driven_hop", "skipped": "needs CUDA (two GPUs or --one-gpu)"}
+            )
+        )
+        return
+    args.ffn_device = 0 if args.one_gpu else 1
+    if args.serve_ffn:
+        ffn_main(args)
+        return
+    result = attention_main(args)
+    bad = [k for k in ("host_synced_rows_ok", "graph_rows_ok") if not result.get(k)]
+    if result.get("path") != "gpu":
+        bad.append("path")
+    if bad:
+        result["refused"] = f"not measured as asked: {bad}"
+    print(json.dumps(result), flush=True)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
