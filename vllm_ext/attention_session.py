@@ -157,7 +157,9 @@ class AttentionSession:
         self._link.connect(view)
         self._metrics = AttentionMetrics(worker_files())
         self._exchange.metrics = self._metrics
-        self._metrics.connected(view.epoch, reconnect=False)
+        self._metrics.connected(
+            view.epoch, reconnect=False, gpu_driven=self._exchange.path == "gpu"
+        )
         model_split.set_exchange(self.exchange)
         log.info(
             "afd attention %s: rank %d of %d, epoch %d, %d ffn peer(s), sender=%s, %s",
@@ -392,7 +394,7 @@ class AttentionSession:
             ) from None
         self._client.discard_rejections()  # refusals of payloads from before the reconnect
         self._link.connect(view)
-        self._metrics.connected(view.epoch, reconnect=True)
+        self._metrics.connected(view.epoch, reconnect=True, gpu_driven=self._exchange.path == "gpu")
         log.warning(
             "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",
             self.worker_id,

@@ -325,7 +325,11 @@ class FfnWorker:
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
         assert self._link is not None
         self._link.connect(view)
-        self._metrics.connected(view.epoch, reconnect=self._connects > 0)
+        self._metrics.connected(
+            view.epoch,
+            reconnect=self._connects > 0,
+            gpu_driven=self._exchange is not None and self._exchange.path == "gpu",
+        )
         self._connects += 1
         self._said_unreachable = False
         log.info(

@@ -66,6 +66,12 @@ RECONNECTS = Series(
     "afd_reconnects", "counter", "Data-plane reconnects to a new afd-ctl epoch after the first"
 )
 EPOCH = Series("afd_epoch", "gauge", "The afd-ctl membership epoch the data plane is connected at")
+GPU_DRIVEN = Series(
+    "afd_exchange_gpu_driven",
+    "gauge",
+    "1 when the data plane's peers are on this host and the GPUs drive the exchange (inside "
+    "CUDA graphs on the attention side), 0 when the host drives it over NIXL",
+)
 SENT = Series("afd_sent_bytes", "counter", "Bytes of hidden states (and router logits) written")
 RECEIVED = Series("afd_received_bytes", "counter", "Bytes of FFN outputs received")
 
@@ -214,10 +220,11 @@ class AttentionMetrics:
         if self.files is not None:
             self.files.inc(FAILED_STEPS, 1, reason if reason in FAILURE_REASONS else "other")
 
-    def connected(self, epoch: int, *, reconnect: bool) -> None:
+    def connected(self, epoch: int, *, reconnect: bool, gpu_driven: bool = False) -> None:
         if self.files is None:
             return
         self.files.set(EPOCH, epoch)
+        self.files.set(GPU_DRIVEN, 1 if gpu_driven else 0)
         if reconnect:
             self.files.inc(RECONNECTS)
         else:  # 0 is a value too: the series exists from the start
@@ -242,9 +249,10 @@ class FfnMetrics:
         series = {"replay": FFN_REPLAYS, "capture": FFN_CAPTURES}.get(graph_mode, FFN_EAGER)
         files.inc(series)
 
-    def connected(self, epoch: int, *, reconnect: bool) -> None:
+    def connected(self, epoch: int, *, reconnect: bool, gpu_driven: bool = False) -> None:
         if self.files is not None:
             self.files.set(EPOCH, epoch)
+            self.files.set(GPU_DRIVEN, 1 if gpu_driven else 0)
             self.files.inc(RECONNECTS, 1 if reconnect else 0)
 
 
