@@ -29,6 +29,7 @@ from afd_ctl.errors import AfdControllerUnreachable
 from afd_ctl.membership import WorkerSpec
 from afd_ctl.membership_view import MembershipView
 from afd_ctl.publisher import Publisher
+from afd_ctl.routing import Role
 from afd_ctl.session_link import LEAVE_WAIT_S, SessionLink
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.wire import ROLE_TO_PROTO
@@ -90,8 +91,9 @@ class ControllerClient:
         return self._view.wait_complete(timeout_s, after_epoch)
 
     def wait_drained(self, timeout_s: float) -> bool:
-        """Blocks until the daemon itself sends STOP (drain or `afd-ctl stop`); False on
-        timeout. A stop payload from the attention side does not end this wait."""
+        """Blocks until the daemon this worker is registered with goes away: STOP (`afd-ctl
+        stop`) or DAEMON_DRAINING (SIGTERM); False on timeout. A stop payload from the
+        attention side does not end this wait."""
         return self._view.wait_drained(timeout_s)
 
     def wait_stopped(self, timeout_s: float) -> bool:
@@ -156,10 +158,19 @@ class ControllerClient:
             return
         event = message.event
         self._view.on_event(event)
-        if event.kind == Kind.STOP:
-            # Hang up at once, so a draining daemon can exit without waiting for our close.
+        # Hang up at once either way, so a draining daemon can exit without waiting for us.
+        if event.kind == Kind.STOP and self.spec.role == Role.FFN:
+            # afd-ctl stop: the deployment shuts down, and an FFN worker with it.
             self._view.stop(f"afd-ctl sent stop: {event.reason}")
             self._link.hang_up()
+        elif event.kind in (Kind.STOP, Kind.DAEMON_DRAINING):
+            # A daemon restart, or a stop for an attention worker, which (unlike an FFN worker)
+            # has no one to restart it into a new deployment: out of service until a daemon
+            # answers again, never stopped for good (the proto's MembershipEvent.Kind).
+            what = "sent stop" if event.kind == Kind.STOP else "is draining"
+            self._link.hang_up(
+                f"afd-ctl {what} ({event.reason}); registering again once a daemon answers"
+            )
         for listener in self._listeners:
             try:
                 listener(event)

@@ -300,14 +300,26 @@ class Controller:
             self.taps.remove(tap)
 
     # -- drain ---------------------------------------------------------------------------
-    def drain(self, reason: str) -> int:
-        """Idempotent: refuse registrations, tell every worker STOP; returns FFN workers told."""
+    def drain(self, reason: str, *, stop: bool) -> int:
+        """Idempotent: refuse registrations and tell every worker; returns FFN workers told.
+
+        With `stop` (afd-ctl stop) the deployment shuts down: STOP, on which FFN workers exit
+        and attention workers stop serving until a daemon and FFN workers are back. Without
+        (SIGTERM, SIGINT) the daemon is restarting: DAEMON_DRAINING, on which every worker
+        hangs up and registers again with the next daemon (proto: MembershipEvent.Kind)."""
         if self.draining:
             return 0
         self.draining = True
-        log.info("draining: %s; health NOT_SERVING, STOP sent to every worker", reason)
+        if stop:
+            log.info("draining: %s; health NOT_SERVING, STOP sent to every worker", reason)
+        else:
+            log.info(
+                "draining: %s; health NOT_SERVING, every worker told to register again with "
+                "the next daemon (afd-ctl stop shuts a deployment down)",
+                reason,
+            )
         told = sum(1 for s in self.sessions.values() if s.worker.role == FFN)
-        self._broadcast(Event.STOP, None, reason)
+        self._broadcast(Event.STOP if stop else Event.DAEMON_DRAINING, None, reason)
         self._health_changed()
         return told
 

@@ -55,6 +55,7 @@ class MembershipView:
         self.registered_msg = registered
         self.current = registered.view
         self.unreachable = None
+        self._drained = False  # a new daemon (or the same one again) is not draining
         self._note_view()
         self.cond.notify_all()
         return again
@@ -72,7 +73,7 @@ class MembershipView:
                     epoch=event.view.epoch,
                 )
                 self._payloads.put(self._lost)
-            if event.kind == Kind.STOP:
+            if event.kind in (Kind.STOP, Kind.DAEMON_DRAINING):
                 self._drained = True
             self._note_view()
             self.cond.notify_all()

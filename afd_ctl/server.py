@@ -23,7 +23,6 @@ from afd_ctl.channel import keepalive_options
 from afd_ctl.config import DaemonConfig, parse_listen
 from afd_ctl.controller import Controller
 from afd_ctl.malformed import MalformedRequestInterceptor
-from afd_ctl.membership import FFN
 from afd_ctl.servicer import ControllerServicer, InspectServicer
 from afd_ctl.tls import server_credentials
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
@@ -91,7 +90,7 @@ class ControllerServer:
             ControllerServicer(self.controller), server
         )
         afd_pb2_grpc.add_AFDInspectServicer_to_server(
-            InspectServicer(self.controller, self.request_drain, self.watch_limits), server
+            InspectServicer(self.controller, self.request_stop, self.watch_limits), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -172,27 +171,29 @@ class ControllerServer:
             await self._set_health(status)
             applied = status
 
-    def request_drain(self, reason: str) -> int:
-        """Idempotent: STOP to every worker, then exit within the drain grace."""
-        told = self.controller.drain(reason)
+    def request_stop(self, reason: str) -> int:
+        """`afd-ctl stop`: STOP to every worker, then exit within the drain grace."""
+        return self.request_drain(reason, stop=True)
+
+    def request_drain(self, reason: str, *, stop: bool = False) -> int:
+        """Idempotent: STOP (with `stop`) or DAEMON_DRAINING to every worker, then exit once
+        every session has hung up or the drain grace has passed."""
+        told = self.controller.drain(reason, stop=stop)
         if self._drain_task is None:
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         return told
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_grace_s
-        while self._ffn_sessions() and time.monotonic() < deadline:
+        while self.controller.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self._ffn_sessions():
+        if self.controller.sessions:
             log.warning(
-                "drain grace of %.1f s over; closing %d FFN session(s) still open",
+                "drain grace of %.1f s over; closing %d session(s) still open",
                 self.config.drain_grace_s,
-                self._ffn_sessions(),
+                len(self.controller.sessions),
             )
         await self.stop(grace=0.5)
-
-    def _ffn_sessions(self) -> int:
-        return sum(1 for s in self.controller.sessions.values() if s.worker.role == FFN)
 
     async def stop(self, grace: float) -> None:
         if self._health_task is not None:

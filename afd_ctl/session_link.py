@@ -70,6 +70,7 @@ class SessionLink:
         self._ended: threading.Event | None = None
         self._leave_reason = ""
         self._rejoining = ""
+        self._hang_up_reason = ""
 
     def start(self) -> None:
         if self._thread is None:
@@ -126,6 +127,9 @@ class SessionLink:
                 details = error.details() if error is not None else "stream ended"
                 if watchdog.fired:
                     details = f"nothing heard for {self.liveness_timeout_s} s"
+                if self._hang_up_reason and registered_here:
+                    code, details = grpc.StatusCode.UNAVAILABLE, self._hang_up_reason
+                self._hang_up_reason = ""
                 if not registered_here and code in PERMANENT_CODES:
                     log.error("afd-ctl refused registration: %s: %s", code.name, details)
                     view.on_fatal(AfdRejected(code.name, details or ""))
@@ -162,10 +166,13 @@ class SessionLink:
                 self._cond.wait(delay)  # close() wakes it
 
     # -- ending the session --------------------------------------------------------------
-    def hang_up(self) -> None:
-        """Cancels the current stream at once (after the daemon's STOP)."""
+    def hang_up(self, reason: str = "") -> None:
+        """Cancels the current stream at once (after the daemon's STOP or DAEMON_DRAINING);
+        unless the view is stopped, the link then registers again, saying `reason` as why the
+        session broke."""
         with self._cond:
             call = self._call
+            self._hang_up_reason = reason
         if call is not None:
             call.cancel()  # type: ignore[attr-defined]
 

@@ -17,7 +17,13 @@ import time
 from afd_ctl import payloads
 from afd_ctl.channel import DEFAULT_CONTROLLER
 from afd_ctl.client import ControllerClient
-from afd_ctl.errors import AfdError, AfdPeerLost, AfdStopped, AfdTimeout
+from afd_ctl.errors import (
+    AfdControllerUnreachable,
+    AfdError,
+    AfdPeerLost,
+    AfdStopped,
+    AfdTimeout,
+)
 from afd_ctl.membership import WorkerSpec
 from afd_ctl.routing import Role
 from afd_ctl.v1 import afd_pb2
@@ -67,9 +73,19 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
     problems: list[str] = []
     stopped = ""
     first: int | None = None
+    unreachable_since: float | None = None
     while args.steps <= 0 or received < args.steps:
         try:
             payload = client.next_payload(args.timeout)
+        except AfdControllerUnreachable as exc:
+            # A daemon restart (or drain): the client registers again by itself.
+            now = time.monotonic()
+            unreachable_since = unreachable_since or now
+            if now - unreachable_since > args.timeout:
+                problems.append(str(exc))
+                break
+            time.sleep(0.05)
+            continue
         except AfdStopped as exc:
             stopped = str(exc)
             break
@@ -79,6 +95,7 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
         except AfdTimeout as exc:
             problems.append(str(exc))
             break
+        unreachable_since = None
         if first is None:
             first = payload.step_id
         if last is not None and payload.step_id != last + 1:

@@ -322,9 +322,9 @@ def main() -> int:
             epoch=view.epoch,
             round=args.round,
         )
-        # Stay registered until the job is stopped: leaving would be a membership change
-        # (a new epoch) for the workers still finishing their steps.
-        client.wait_stopped(args.hold_s)
+        # Stay registered until the daemon goes away (STOP or DAEMON_DRAINING): leaving would
+        # be a membership change (a new epoch) for the workers still finishing their steps.
+        client.wait_drained(args.hold_s)
         return 0
     finally:
         t.close()

@@ -156,7 +156,14 @@ def test_frozen_worker_is_declared_lost_by_keepalive(start_daemon, procs, tmp_pa
         attn.close()
 
 
-def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, procs, tmp_path):
+def test_sigterm_is_a_restart_every_worker_rides_out_and_stop_shuts_down(
+    start_daemon, procs, tmp_path
+):
+    """Issue 22, item 1. SIGTERM drains the daemon as a restart: health NOT_SERVING, every
+    worker told DAEMON_DRAINING and hung up, the daemon exits 0 at once; no worker exits, and
+    both roles register again with the next daemon on the same address, in a complete set.
+    `afd-ctl stop` then shuts the deployment down: the FFN workers exit 0, the attention
+    worker is out of service but not stopped for good (it registers with a later daemon)."""
     daemon = start_daemon("--expect-ffn", "2", "--drain-grace-s", "3")
     ffn = [
         sim_worker(
@@ -181,7 +188,7 @@ def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, pro
         HealthCheckRequest(service="afd.v1.AFDController"), timeout=60
     )
     try:
-        attn.wait_complete(10)
+        first = attn.wait_complete(10)
         statuses = [next(watch).status]
         while statuses[-1] != SERVING:
             statuses.append(next(watch).status)
@@ -191,12 +198,30 @@ def test_sigterm_drains_stop_reaches_ffn_and_daemon_exits_zero(start_daemon, pro
         daemon.signal(signal.SIGTERM)  # idempotent
         # Health goes NOT_SERVING on drain (and nothing turns it back) before the daemon goes.
         assert next(watch).status == HealthCheckResponse.NOT_SERVING
+        assert attn.wait_drained(5)
+        assert daemon.wait(5) == 0  # everyone hung up at once: no drain grace spent
+        log = daemon.log()
+        assert "draining: SIGTERM received" in log and "drain grace" not in log
+        assert all(proc.popen.poll() is None for proc in ffn)  # nobody exited
+
+        again = start_daemon("--expect-ffn", "2", listen=daemon.address)
+        view = attn.wait_complete(20, after_epoch=first.epoch)
+        assert view.controller_incarnation != first.controller_incarnation
+        for rank in range(2):
+            again.wait_for(rf"worker registered: ffn rank {rank}", 10)
+
+        from afd_ctl.cli import main
+
+        assert main(["stop", "--controller", again.address, "--reason", "maintenance"]) == 0
         for proc in ffn:
             report = proc.json_report(10)
-            assert report["received"] == 20 and "SIGTERM received" in report["stopped"]
+            assert report["received"] == 20 and "maintenance" in report["stopped"], report
+            assert not report["problems"], report
             assert proc.wait(5) == 0
-        assert daemon.wait(5) == 0
-        assert "draining: SIGTERM received" in daemon.log()
+        assert again.wait(10) == 0
+        # The attention worker was not stopped for good: a later daemon sees it again.
+        third = start_daemon("--expect-ffn", "2", listen=daemon.address)
+        third.wait_for("worker registered: attention rank 0", 10)
     finally:
         channel.close()
         attn.close()
@@ -253,6 +278,13 @@ def test_stop_from_the_cli_reaches_workers(start_daemon, tmp_path):
         assert main(["stop", "--controller", daemon.address, "--reason", "maintenance"]) == 0
         with pytest.raises(AfdStopped, match="maintenance"):
             ffn.next_payload(5)
+        # The attention worker is out of service, not stopped: it says why and retries.
+        assert attn.wait_drained(5)
+        with pytest.raises(AfdControllerUnreachable, match="sent stop \\(maintenance\\)"):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                attn.publish(make_payload(1, 1, 1))
+                time.sleep(0.01)
         assert daemon.wait(10) == 0
     finally:
         ffn.close()

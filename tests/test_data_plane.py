@@ -92,7 +92,7 @@ def finish(proc: Proc, timeout_s: float) -> dict[str, Any]:
 
 
 def stop_all(daemon: Any, workers: list[Proc]) -> None:
-    """SIGTERM drains the daemon: every worker gets STOP and exits 0."""
+    """SIGTERM drains the daemon: every worker is told (DAEMON_DRAINING) and exits 0."""
     daemon.signal(signal.SIGTERM)
     for w in workers:
         rc = w.wait(30)

@@ -1,10 +1,16 @@
 """afd-ctl killed with kill -9 while both `vllm serve` roles serve, and started again on the
 same port: neither server exits, requests succeed again without restarting either, within
-2 x the liveness bound of the restart, and /health never says 200 while a request fails."""
+2 x the liveness bound of the restart, and /health never says 200 while a request fails.
+Then the two ways afd-ctl goes away on purpose (issue 22, item 1): SIGTERM, a restart both
+servers ride out the same way; `afd-ctl stop`, which ends the FFN server (exit 0) and leaves the
+attention server up, out of service until a daemon and an FFN server are back, then serving
+with no step on it."""
 
 from __future__ import annotations
 
 import json
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -17,12 +23,15 @@ pytestmark = pytest.mark.line_independent
 from tests.procs import Proc  # noqa: E402
 from tests.test_vllm_failures import (  # noqa: E402
     AfdServers,
+    answered_again,
     http_status,
     post_error,
     start_afd_servers,
     stream_and_kill,
     tiny_model,  # noqa: F401 (fixture)
+    wait_status,
 )
+from vllm_ext.testing.procs import ffn_argv, vllm_env  # noqa: E402
 
 LIVENESS_S = 2.0
 
@@ -55,7 +64,7 @@ def serving_again(servers: AfdServers, timeout_s: float) -> float:
         assert time.monotonic() - start < timeout_s, f"still failing: {status} {text}"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_vllm_serve_survives_afd_ctl_restarts(
     tiny_model: Path,  # noqa: F811
     start_daemon,
@@ -80,3 +89,33 @@ def test_vllm_serve_survives_afd_ctl_restarts(
         assert took < 2 * LIVENESS_S, f"outage {outage_s} s: serving {took:.1f} s after restart"
         assert servers.ffn.popen.poll() is None, servers.ffn.tail()
         assert servers.attention.popen.poll() is None, servers.attention.tail()
+
+    # SIGTERM: the daemon drains as a restart. Both servers hang up at once (the daemon exits
+    # without spending its drain grace), neither exits, and both are back with the next one.
+    servers.daemon.signal(signal.SIGTERM)
+    assert servers.daemon.wait(10) == 0, servers.daemon.tail()
+    assert "drain grace" not in servers.daemon.log()
+    wait_status(servers.health, 503, 10)
+    servers.daemon = start_daemon(*args, listen=servers.daemon.address)
+    took = serving_again(servers, timeout_s=60)
+    assert took < 2 * LIVENESS_S, f"after a drain: serving {took:.1f} s after restart"
+    assert servers.ffn.popen.poll() is None, servers.ffn.tail()
+    assert servers.attention.popen.poll() is None, servers.attention.tail()
+
+    # afd-ctl stop: the deployment shuts down. The FFN server exits 0; the attention server
+    # stays up with /health 503 (it was stranded there for good before) ...
+    stop = [sys.executable, "-m", "afd_ctl.cli", "stop", "--controller", servers.daemon.address]
+    assert Proc(stop, tmp_path / "stop.log").wait(30) == 0
+    assert servers.ffn.wait(60) == 0, servers.ffn.tail()
+    assert servers.daemon.wait(10) == 0, servers.daemon.tail()
+    wait_status(servers.health, 503, 10)
+    status, text = post_error(servers.url, servers.body)
+    assert status == 503, (status, text)
+    # ... and serves again once a daemon and an FFN server are back, with nothing done to it.
+    servers.daemon = start_daemon(*args, listen=servers.daemon.address)
+    servers.ffn = Proc(
+        ffn_argv(tiny_model, servers.daemon.address), tmp_path / "ffn-2.log", vllm_env()
+    )
+    procs.append(servers.ffn)
+    assert answered_again(servers, timeout_s=300) == servers.before
+    assert servers.attention.popen.poll() is None, servers.attention.tail()

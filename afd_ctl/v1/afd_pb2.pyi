@@ -161,11 +161,13 @@ class MembershipEvent(_message.Message):
         PEER_LOST: _ClassVar[MembershipEvent.Kind]
         SET_COMPLETE: _ClassVar[MembershipEvent.Kind]
         STOP: _ClassVar[MembershipEvent.Kind]
+        DAEMON_DRAINING: _ClassVar[MembershipEvent.Kind]
     KIND_UNSPECIFIED: MembershipEvent.Kind
     PEER_JOINED: MembershipEvent.Kind
     PEER_LOST: MembershipEvent.Kind
     SET_COMPLETE: MembershipEvent.Kind
     STOP: MembershipEvent.Kind
+    DAEMON_DRAINING: MembershipEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]

@@ -221,7 +221,8 @@ class AFDInspectServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stop(self, request, context):
-        """Drains the daemon: STOP to every worker, health NOT_SERVING, then the daemon exits.
+        """Shuts the deployment down: STOP to every worker (what each role does: MembershipEvent.STOP),
+        health NOT_SERVING, then the daemon exits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
