@@ -277,6 +277,13 @@ class GpuHop:
             AttentionPeer(s.role_rank, self._peers[s.role_rank].my_pos, s.start, s.rows)
             for s in slices
         ]
+        x, router = self.ffn_inputs(layer, stage, slices)
+        ops = ffn_ops(self.rank, layer, stage, slot, peers, bool(self._router_row))
+        self._run(ops, stream, {}, lambda: compute(x, router).contiguous())
+
+    def ffn_inputs(self, layer: int, stage: int, slices: Sequence[Any]) -> tuple[Any, Any]:
+        """The receive slot's views a layer computes on: (rows, router columns or None)."""
+        slot = self.layout.slot(layer, stage)
         total = sum(s.rows for s in slices)
         cfg = self.config
         x = self._view(self.layout.recv_hidden[slot].offset, total, cfg.hidden_size, cfg.dtype)
@@ -285,8 +292,7 @@ class GpuHop:
             router = self._view(
                 self.layout.recv_router[slot].offset, total, cfg.router_width, cfg.router_dtype
             )
-        ops = ffn_ops(self.rank, layer, stage, slot, peers, bool(self._router_row))
-        self._run(ops, stream, {}, lambda: compute(x, router).contiguous())
+        return x, router
 
     # -- failures ---------------------------------------------------------------------------
     def poison(self) -> None:

@@ -38,7 +38,8 @@ from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import FfnExchange, StepShape
-from vllm_ext.ffn_graphs import FfnGraphRunner
+from vllm_ext.ffn_graphs import CAPTURE, EAGER, FfnGraphRunner, graph_key
+from vllm_ext.ffn_step_graphs import FfnStepGraphs
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
 from vllm_ext.peer_link import PeerLink, expected_counts
@@ -71,6 +72,8 @@ class FfnWorker:
             self.engine.forward_layer,
             enabled=not vllm_config.model_config.enforce_eager,
         )
+        # The GPU-driven path's graphs: a whole step each (vllm_ext.ffn_step_graphs).
+        self.step_graphs = FfnStepGraphs(enabled=not vllm_config.model_config.enforce_eager)
         self.steps = 0
         self.two_stage_steps = 0  # steps the attention side ran as two micro-batches
         # Seconds spent waiting for attention rows, computing, and writing back.
@@ -302,7 +305,10 @@ class FfnWorker:
             "compute_ms_per_step": 1e3 * self.compute_s / n,
             "send_ms_per_step": 1e3 * self.send_s / n,
             **self.graphs.stats(),
+            **self.step_graphs.stats(),
         }
+        if self.step_graphs.captures:  # the GPU-driven path keys whole steps
+            stats["graph_keys"] = len(self.step_graphs.keys_in_capture_steps)
         if self._recent:
             for i, name in enumerate(("recv_wait", "compute", "send")):
                 stats[f"{name}_ms_median"] = 1e3 * statistics.median(r[i] for r in self._recent)
@@ -324,6 +330,7 @@ class FfnWorker:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
         assert self._link is not None
+        self.step_graphs.reset()  # they hold the previous peers' mapped addresses
         self._link.connect(view)
         self._metrics.connected(
             view.epoch,
@@ -391,15 +398,27 @@ class FfnWorker:
         is enqueueing, counted as compute."""
         assert self._exchange is not None and self._exchange.gpu is not None
         gpu, plan = self._exchange.gpu, self._exchange.plan
+        layers = [(layer, stage) for layer in range(self.engine.num_layers) for stage in stages]
+        forward = self.engine.forward_layer
+
+        def run(layer: int, x: Any, router: Any) -> Any:
+            return forward(layer, x) if router is None else forward(layer, x, router)
+
+        def enqueue() -> None:
+            for layer, stage in layers:
+                gpu.run_layer(layer, stage, plan, lambda x, r, layer=layer: run(layer, x, r))
+
+        def warm_up() -> None:  # each layer's compute once, outside the graph
+            for layer, stage in layers:
+                run(layer, *gpu.hop.ffn_inputs(layer, stage, plan.slices[stage]))
+
         t0 = time.perf_counter()
         with self.engine.step_scope():
-            for layer in range(self.engine.num_layers):
-                for stage in stages:
-
-                    def compute(x: Any, router: Any, layer: int = layer, stage: int = stage) -> Any:
-                        return self.graphs.run(layer, stage, x, router)
-
-                    gpu.run_layer(layer, stage, plan, compute)
+            if self.graphs.mode != EAGER and self.step_graphs.enabled:
+                self.step_graphs.run(graph_key(payload), self.graphs.mode == CAPTURE, warm_up,
+                                     enqueue)  # fmt: skip
+            else:
+                enqueue()
         gpu.step_enqueued(payload.step_id, self._exchange.step_bound_s)
         enqueue_s = time.perf_counter() - t0
         self.compute_s += enqueue_s
