@@ -27,7 +27,6 @@ from afd_ctl.routing import Role, peer_ranks
 from afd_data.blob import PeerBlob
 from afd_data.config import TransportConfig
 from afd_data.cuda_driver import CudaDriverError, driver
-from afd_data.errors import AfdPeerLost
 from afd_data.gpu_protocol import (
     POISON,
     AttentionPeer,
@@ -345,9 +344,6 @@ class GpuHop:
             if now > spin_until:
                 time.sleep(20e-6)
         return why
-
-    def fail(self, why: str) -> None:
-        raise AfdPeerLost(why) if why.startswith("afd peer lost") else AfdTimeout(why)
 
     def close(self) -> None:
         self._close_mappings()
