@@ -170,6 +170,7 @@ class FfnWorker:
                     # From the daemon or from the data plane (which may see a death first):
                     # wait for a newer complete view, then reconnect to its peers.
                     log.warning("afd ffn %s: %s", self.worker_id, exc)
+                    self._metrics.disconnected()  # /health: 503 until connected again
                     assert self._exchange is not None
                     try:
                         view = self._wait_for_peers(self._exchange.transport.epoch or 0)

@@ -12,7 +12,7 @@ prometheus_client multiprocess files (one set per process), and the API server r
   REGISTRY (`expose_worker_series`).
 
 The FFN server has no HTTP server of its own: with the `metrics_port` setting it serves the
-same kind of files on `/metrics` (`serve_ffn_metrics`).
+same kind of files on `/metrics`, and its readiness on `/health` (`serve_ffn_metrics`).
 
 Hot paths only add numbers in Python; the files are written once per step (`flush`).
 """
@@ -234,10 +234,16 @@ class AttentionMetrics:
 
 
 class FfnMetrics:
-    """The FFN server's series, on its own /metrics (`serve_ffn_metrics`)."""
+    """The FFN server's series, on its own /metrics (`serve_ffn_metrics`), and its readiness
+    on /health beside them: 200 once registered and connected to its attention peers, 503
+    from a loss until it is connected again (a Kubernetes readiness probe)."""
 
     def __init__(self, files: SeriesFiles | None) -> None:
         self.files = files
+        self.ready = False
+
+    def disconnected(self) -> None:
+        self.ready = False
 
     def step(self, compute_s: float, wait_s: float, graph_mode: str) -> None:
         files = self.files
@@ -250,6 +256,7 @@ class FfnMetrics:
         files.inc(series)
 
     def connected(self, epoch: int, *, reconnect: bool, gpu_driven: bool = False) -> None:
+        self.ready = True
         if self.files is not None:
             self.files.set(EPOCH, epoch)
             self.files.set(GPU_DRIVEN, 1 if gpu_driven else 0)
@@ -257,23 +264,42 @@ class FfnMetrics:
 
 
 def serve_ffn_metrics(host: str, port: int) -> FfnMetrics:
-    """Starts /metrics on host:port (a daemon thread) and returns what feeds it."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    """Starts /metrics and /health on host:port (a daemon thread) and returns what feeds
+    them."""
+    from http.server import ThreadingHTTPServer
+
+    from prometheus_client import CollectorRegistry, MetricsHandler
     from prometheus_client.multiprocess import MultiProcessCollector
 
     directory = tempfile.mkdtemp(prefix="afd-ffn-prometheus-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)
+    metrics = FfnMetrics(SeriesFiles(directory))
+
+    class Handler(MetricsHandler.factory(registry)):  # type: ignore[misc]
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] != "/health":
+                return super().do_GET()
+            body = b"connected\n" if metrics.ready else b"not connected to its peers\n"
+            self.send_response(200 if metrics.ready else 503)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
     try:
-        start_http_server(port, addr=host, registry=registry)
+        server = ThreadingHTTPServer((host, port), Handler)
     except OSError as exc:
         raise ValueError(
             f"afd metrics_port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); "
             "choose a free port, or 0 to turn the FFN server's /metrics off"
         ) from None
-    log.info("afd ffn: Prometheus metrics on http://%s:%d/metrics", host, port)
-    metrics = FfnMetrics(SeriesFiles(directory))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="afd-ffn-metrics", daemon=True).start()
+    log.info(
+        "afd ffn: Prometheus metrics on http://%s:%d/metrics, readiness on /health", host, port
+    )
     for series in (FFN_STEPS, FFN_REPLAYS, FFN_CAPTURES, FFN_EAGER):
         metrics.files.inc(series, 0)  # type: ignore[union-attr]
     return metrics
