@@ -40,6 +40,10 @@ HEALTH_STATUS = {
     "DRAINING": health_pb2.HealthCheckResponse.NOT_SERVING,
 }
 MAX_MESSAGE_BYTES = 4 << 20
+# A health service that is SERVING while the daemon runs and is not draining, whatever the
+# membership: for liveness probes (Kubernetes' grpc probe), which must not restart the daemon
+# because a worker is missing ("" and the API's services say whether the set is complete).
+LIVENESS_SERVICE = "liveness"
 
 
 def remove_stale_socket(path: Path) -> None:
@@ -112,6 +116,7 @@ class ControllerServer:
             metrics_port = serve_metrics(self.controller, config.metrics_host, config.metrics_port)
         applied = self.controller.health
         await self._set_health(applied)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.controller.health_listeners.append(self._health_updates.put_nowait)
         self._health_task = asyncio.get_running_loop().create_task(self._apply_health(applied))
         await server.start()
