@@ -11,6 +11,8 @@ from typing import Any
 
 import grpc
 
+from afd_ctl.wire import Handler, text_metadata
+
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 
 
@@ -20,13 +22,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_PREFIX):
             return handler
-        metadata = dict(details.invocation_metadata or ())
+        metadata = text_metadata(details.invocation_metadata)
         given = metadata.get("authorization", "")
         # RFC 7235: the scheme is case-insensitive ("bearer" too); the token is compared as is.
         scheme, _, token = given.strip().partition(" ")

@@ -255,7 +255,11 @@ class Controller:
 
     # -- events --------------------------------------------------------------------------
     def _broadcast(
-        self, kind: int, worker: Worker | None, reason: str, skip: Worker | None = None
+        self,
+        kind: afd_pb2.MembershipEvent.Kind,
+        worker: Worker | None,
+        reason: str,
+        skip: Worker | None = None,
     ) -> None:
         info = self.worker_info(worker) if worker is not None else None
         at_s = time.time()
@@ -358,7 +362,7 @@ class Controller:
         m = self.membership
         status = afd_pb2.Status(
             health=self.health,
-            health_state=afd_pb2.Health.Value(self.health),
+            health_state=self.health,  # the enum by name
             epoch=m.epoch,
             controller_incarnation=self.incarnation,
             last_step_id=self.last_step_id,

@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from afd_ctl.logs import RateLimitedLog, clip
+from afd_ctl.wire import Handler
 
 log = logging.getLogger(__name__)
 # How deep `locate` follows nested messages looking for the field to blame.
@@ -94,7 +95,7 @@ def locate(data: bytes, descriptor: Descriptor, depth: int = 0) -> str:
             body, pos = data[pos : pos + size], pos + size
             if field is None:
                 continue
-            if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type is not None:
                 inner = locate(body, field.message_type, depth + 1)
                 if inner:
                     return f"{name}.{inner}" if not inner.startswith("byte") else f"{name}: {inner}"
@@ -141,15 +142,18 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
         return self._wrap(handler, details.method)
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    def _wrap(self, handler: Handler, method: str) -> Handler:
+        deserializer = handler.request_deserializer
+        if deserializer is None:  # nothing to parse (intercept_service passes none such)
+            return handler
         streaming = handler.request_streaming
         if streaming and handler.response_streaming:
             behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
@@ -186,7 +190,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return factory(
             wrapped,
-            request_deserializer=safe_deserializer(handler.request_deserializer, streaming),
+            request_deserializer=safe_deserializer(deserializer, streaming),
             response_serializer=handler.response_serializer,
         )
 

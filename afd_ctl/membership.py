@@ -75,7 +75,7 @@ class Membership:
         max_blob_bytes: int = 1 << 20,
         first_epoch: int | None = None,
     ) -> None:
-        self.expected = {ATTENTION: expect_attention, FFN: expect_ffn}
+        self.expected: dict[str, int] = {ATTENTION: expect_attention, FFN: expect_ffn}
         self.max_blob_bytes = max_blob_bytes
         # Epochs start at the wall clock in ms so a restarted daemon never reuses an epoch.
         self.epoch = int(time.time() * 1000) if first_epoch is None else first_epoch

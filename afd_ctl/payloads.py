@@ -16,7 +16,9 @@ StageCounts = Mapping[int, Sequence[int]] | Sequence[Sequence[int]]
 def make_payload(step_id: int, counts: StageCounts, **flags: bool) -> afd_pb2.AFDControlPayload:
     """A payload for `step_id` with per-stage token counts (a list per stage, or a
     {stage: counts} map) and the given flags (is_warmup=True, ...)."""
-    payload = afd_pb2.AFDControlPayload(step_id=step_id, **flags)
+    payload = afd_pb2.AFDControlPayload(step_id=step_id)
+    for flag, value in flags.items():
+        setattr(payload, flag, value)
     items = counts.items() if isinstance(counts, Mapping) else enumerate(counts)
     for stage, row in items:
         meta = payload.stages[stage]

@@ -253,9 +253,7 @@ async def serve(config: DaemonConfig) -> None:
         await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(
-                sig, lambda s=sig: server.request_drain(f"{signal.Signals(s).name} received")
-            )
+            loop.add_signal_handler(sig, server.request_drain, f"{sig.name} received")
         await server.wait_stopped()
     finally:
         # Also when start() failed half-way: a server left to the garbage collector tries to

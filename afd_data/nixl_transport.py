@@ -69,6 +69,9 @@ __all__ = ["NixlTransport", "PeerSpec"]
 
 logger = logging.getLogger(__name__)
 
+# What one poll between steps may raise (and poll_idle only logs).
+_IDLE_ERRORS: tuple[type[BaseException], ...] = (AfdDataError, *NIXL_ERRORS)
+
 
 class NixlTransport:
     """The data plane of one worker; see the module docstring for protocol and flow control."""
@@ -250,7 +253,7 @@ class NixlTransport:
             return
         try:
             self._p.poller.progress(raise_lost=False)
-        except (AfdDataError, *NIXL_ERRORS) as e:
+        except _IDLE_ERRORS as e:
             logger.debug("data plane %s: while idle: %s", self.name, e)
 
     # ------------------------------------------------------------------ the role's calls
