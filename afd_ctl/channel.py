@@ -19,6 +19,9 @@ def keepalive_options(liveness_timeout_s: float) -> list[tuple[str, int]]:
     return [
         ("grpc.keepalive_time_ms", half_ms),
         ("grpc.keepalive_timeout_ms", half_ms),
+        # Every ping's ack bound (grpcio's default is 60 s): without it, a ping sent while the
+        # stream carries data (the keepalive timer is reset by traffic) waits a minute.
+        ("grpc.http2.ping_timeout_ms", half_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 50),

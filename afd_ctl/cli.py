@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from afd_ctl import __version__
 from afd_ctl.channel import (
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="S",
         help="declare a silent worker lost within S seconds (2.0)",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        metavar="S",
+        help="declare a worker lost whose connection lives but whose heartbeats stopped (60)",
     )
     serve.add_argument(
         "--subscriber-queue", type=int, metavar="K", help="messages queued per worker (4096)"
@@ -269,10 +276,10 @@ def run_client_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def to_json(message: object, indent: int | None = 2) -> str:
+def to_json(message: Message, indent: int | None = 2) -> str:
     """Every field, zeros and empty lists included, with 64-bit numbers as JSON numbers."""
     data = json_format.MessageToDict(
-        message,  # type: ignore[arg-type]
+        message,
         always_print_fields_with_no_presence=True,
         preserving_proto_field_name=True,
         unquote_int64_if_possible=True,
@@ -308,8 +315,8 @@ def format_status(status: afd_pb2.Status) -> str:
             kind = afd_pb2.MembershipEvent.Kind.Name(event.kind)
             who = ""
             if event.HasField("worker"):
-                role = afd_pb2.Role.Name(event.worker.role).lower()
-                who = f" {role} {event.worker.role_rank} ({event.worker.worker_id})"
+                role_name = afd_pb2.Role.Name(event.worker.role).lower()
+                who = f" {role_name} {event.worker.role_rank} ({event.worker.worker_id})"
             when = time.strftime("%H:%M:%S", time.localtime(event.at_s))
             reason = f": {event.reason}" if event.reason else ""
             lines.append(f"{when} {kind}{who}{reason}")

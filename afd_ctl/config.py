@@ -21,8 +21,12 @@ class DaemonConfig:
     listen: str = DEFAULT_LISTEN
     expect_attention: int = 1
     expect_ffn: int = 1
-    # A worker whose session ends or whose keepalive fails is declared lost within this bound.
+    # A worker whose session ends or whose connection stops answering grpc's keepalive pings
+    # (answered in grpc's C core, so a busy Python does not miss them) is lost within this.
     liveness_timeout_s: float = 2.0
+    # A worker whose connection is alive but whose Python has sent no heartbeat for this long
+    # (a deadlock; far longer than any stretch a compile holds the GIL) is lost too.
+    heartbeat_timeout_s: float = 60.0
     # Messages queued per worker session before a slow subscriber is cut off.
     subscriber_queue: int = 4096
     max_blob_bytes: int = 1 << 20
@@ -50,6 +54,11 @@ class DaemonConfig:
         if not 0.2 <= self.liveness_timeout_s <= 600:
             raise ValueError(
                 f"--liveness-timeout-s must be in [0.2, 600], got {self.liveness_timeout_s}"
+            )
+        if self.heartbeat_timeout_s < self.liveness_timeout_s:
+            raise ValueError(
+                f"--heartbeat-timeout-s ({self.heartbeat_timeout_s}) must be at least "
+                f"--liveness-timeout-s ({self.liveness_timeout_s})"
             )
         if self.subscriber_queue < 8:
             raise ValueError(f"--subscriber-queue must be >= 8, got {self.subscriber_queue}")

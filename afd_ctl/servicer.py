@@ -20,11 +20,19 @@ from afd_ctl.malformed import MalformedRequest
 from afd_ctl.membership import WorkerSpec
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.watch_limits import WatchLimits, refuse
-from afd_ctl.wire import PROTO_TO_ROLE, PUBLISH_SECRET_METADATA, WORKER_ID_METADATA
+from afd_ctl.wire import (
+    PROTO_TO_ROLE,
+    PUBLISH_SECRET_METADATA,
+    WORKER_ID_METADATA,
+    text_metadata,
+)
 
 log = logging.getLogger(__name__)
 
-SESSION_CLOSED = "session closed by the worker (exited, killed or hung up)"
+SESSION_CLOSED = (
+    "session closed: the worker exited, was killed or hung up, or stopped answering keepalive "
+    "pings (frozen, or the network is down)"
+)
 HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
 # Publish streams and registrations refused when they open, rate-limited: anyone who can
 # reach the port can send them as fast as they like.
@@ -91,6 +99,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         liveness_s = self.controller.config.liveness_timeout_s
+        heartbeat_s = self.controller.config.heartbeat_timeout_s
         requests = aiter(request_iterator)
         try:
             first = await asyncio.wait_for(anext(requests), liveness_s)
@@ -141,8 +150,14 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
                     if heard.left:
                         reason = f"left: {heard.left}"
                     return
-                if time.monotonic() - heard.at > liveness_s:
-                    reason = f"no heartbeat for {liveness_s} s (worker frozen or network down)"
+                # A frozen or dead worker, or a lost network, fails grpc's keepalive within
+                # liveness_s and ends the call; this catches a Python that stopped while its
+                # process still answers pings (README: "Liveness").
+                if time.monotonic() - heard.at > heartbeat_s:
+                    reason = (
+                        f"no heartbeat for {heartbeat_s} s while its connection answered "
+                        "keepalive pings (the worker's Python is blocked; --heartbeat-timeout-s)"
+                    )
                     await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
                 if not await send(context, HEARTBEAT if message is None else message):
                     return
@@ -157,7 +172,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         request_iterator: AsyncIterator[afd_pb2.AFDControlPayload],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[afd_pb2.PublishAck]:
-        metadata = dict(context.invocation_metadata() or ())
+        metadata = text_metadata(context.invocation_metadata())
         worker_id = metadata.get(WORKER_ID_METADATA, "")
         try:
             # Checked once, here: the stream is bound to that session from now on.
@@ -179,9 +194,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
                     step_id=payload.step_id,
                     code=status_code(error.code).value[0],
                     message=error.message,
-                    reason=afd_pb2.PublishRejected.Reason.Value(
-                        error.reason or "REASON_UNSPECIFIED"
-                    ),
+                    reason=error.reason or "REASON_UNSPECIFIED",  # the enum by name
                 )
                 yield afd_pb2.PublishAck(rejected=rejected)
                 if session.ended:

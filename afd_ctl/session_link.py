@@ -34,6 +34,11 @@ BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 # close(reason=...) and rejoin() wait this long for the daemon to take the `leave`.
 LEAVE_WAIT_S = 1.0
+# A daemon whose connection answers keepalive pings but which has sent nothing (not even a
+# heartbeat) this long is taken as wedged: the daemon's own --heartbeat-timeout-s default.
+# A daemon that died, froze or lost the network fails grpc's keepalive within the liveness
+# bound instead, in grpc's C core, whatever this worker's Python is doing (README "Liveness").
+SILENT_DAEMON_S = 60.0
 UnreachableListener = Callable[[AfdControllerUnreachable], None]
 
 
@@ -99,9 +104,9 @@ class SessionLink:
                     lambda: self._leave_reason or self._rejoining,
                 )
                 call = self._stub.Session(requests, metadata=self._metadata)
-                call.add_done_callback(lambda _call, done=ended: done.set())  # type: ignore[attr-defined]
+                call.add_done_callback(lambda _call, done=ended: done.set())
                 self._call, self._hung_up, self._ended = call, hung_up, ended
-            watchdog = _Watchdog(call, self.liveness_timeout_s)
+            watchdog = _Watchdog(call, SILENT_DAEMON_S)
             registered_here = False
             error: grpc.RpcError | None = None
             try:
@@ -126,7 +131,7 @@ class SessionLink:
                 code = error.code() if error is not None else grpc.StatusCode.OK
                 details = error.details() if error is not None else "stream ended"
                 if watchdog.fired:
-                    details = f"nothing heard for {self.liveness_timeout_s} s"
+                    details = f"nothing heard for {SILENT_DAEMON_S} s"
                 if self._hang_up_reason and registered_here:
                     code, details = grpc.StatusCode.UNAVAILABLE, self._hang_up_reason
                 self._hang_up_reason = ""
@@ -174,7 +179,7 @@ class SessionLink:
             call = self._call
             self._hang_up_reason = reason
         if call is not None:
-            call.cancel()  # type: ignore[attr-defined]
+            call.cancel()
 
     def rejoin(self, reason: str, timeout_s: float = LEAVE_WAIT_S) -> None:
         """Leaves saying why; the session thread then registers again at once."""
@@ -188,7 +193,7 @@ class SessionLink:
         log.warning("leaving afd-ctl to rejoin in a new epoch: %s", reason)
         hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
         ended.wait(timeout_s)
-        call.cancel()  # type: ignore[attr-defined]
+        call.cancel()
 
     def begin_close(self, reason: str) -> None:
         """Marks the link closing: no reconnect from now on, and `reason` goes in the leave."""
@@ -208,7 +213,7 @@ class SessionLink:
                 hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
                 ended.wait(min(timeout_s, LEAVE_WAIT_S))
         if call is not None:
-            call.cancel()  # type: ignore[attr-defined]
+            call.cancel()
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -235,11 +240,13 @@ def _session_requests(
 
 
 class _Watchdog:
-    """Cancels a session call when the daemon has said nothing for the liveness timeout."""
+    """Cancels a session call when the daemon has said nothing for `timeout_s`, counting only
+    time in which this process ran Python: when its own wake-up comes late (this process was
+    busy, e.g. compiling, and read nothing either), the silence so far is not the daemon's."""
 
-    def __init__(self, call: grpc.Call, liveness_timeout_s: float) -> None:
+    def __init__(self, call: grpc.Call, timeout_s: float) -> None:
         self._call = call
-        self._timeout_s = liveness_timeout_s
+        self._timeout_s = timeout_s
         self._last = time.monotonic()
         self._done = threading.Event()
         self.fired = False
@@ -252,8 +259,14 @@ class _Watchdog:
         self._done.set()
 
     def _run(self) -> None:
-        while not self._done.wait(self._timeout_s / 4):
-            if time.monotonic() - self._last > self._timeout_s:
+        period = self._timeout_s / 4
+        woke = time.monotonic()
+        while not self._done.wait(period):
+            now = time.monotonic()
+            if now - woke > 2 * period:
+                self._last = max(self._last, now - period)  # starved: not the daemon's silence
+            woke = now
+            if now - self._last > self._timeout_s:
                 self.fired = True
-                self._call.cancel()  # type: ignore[attr-defined]
+                self._call.cancel()
                 return
