@@ -462,7 +462,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "poll_yield_us": args.yield_us,
         "poll_sleep_us": args.sleep_us,
         "progress_thread": args.progress_thread,
-        "spread_bound": args.spread_bound,
     }
     raw_sizes = [tok * ROW_BYTES for tok in tokens_list] + [bw_bytes]
     bufs = Buffers(args.device)

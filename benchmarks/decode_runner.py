@@ -1,5 +1,5 @@
-"""Decode timing inside one vLLM engine (in-process LLM()), colocated or as the AFD attention side;
-benchmarks/e2e_decode.py starts it once per part.
+"""Decode timing inside one vLLM engine (offline LLM()), colocated or as the AFD attention
+side; benchmarks/e2e_decode.py starts it once per part.
 
     python benchmarks/decode_runner.py MODEL --tokens N --repeats R --batches 1[,B...]
         [--llm-kwargs JSON] [--afd-controller HOST:PORT] [--ffn-log PATH] [--gpu]
@@ -7,14 +7,15 @@ benchmarks/e2e_decode.py starts it once per part.
 Per batch size: one untimed warm-up of every batch size first (the same prompts and token
 count as the timed runs, so every shape a timed run uses has run once: Triton JIT, autotuning,
 allocations), then R timed repeats, batch sizes interleaved within each repeat so drift hits
-all alike. TPOT comes from vLLM's per-request timestamps (timing_stats says why), checked by
+all alike, each timed run right after an untimed 16-token run of the same batch. TPOT comes from vLLM's per-request timestamps (timing_stats says why), checked by
 timing_stats.decode_run; the spread over repeats must stay within --spread-bound.
 
 Compiles and graph captures inside a timed generate() refuse the run, where they can be seen:
-new kernels in Triton's cache directory (every process of the host writes there: the FFN
-server's too), the FFN server's late graph captures (its log, --ffn-log), and vLLM's own
-compilation counters when the engine runs in this process (CPU). vLLM itself raises on a CUDA
-graph capture outside its capture phase, so a late capture there fails the run.
+new kernels in Triton's cache directories (TRITON_CACHE_DIR or its default, and those under
+vLLM's cache root: every process of the host writes there, the FFN server too), the FFN
+server's late graph captures (its log, --ffn-log), and vLLM's own compilation counters when
+the engine runs in this process (CPU). vLLM itself raises on a CUDA graph capture outside its
+capture phase, so a late capture there fails the run.
 
 The last stdout line is one JSON object: the figures, or {"refused": REASON} (exit status 3).
 """
@@ -46,13 +47,25 @@ from benchmarks.timing_stats import (  # noqa: E402
 from vllm_ext.testing.offline import DEFAULT_PROMPTS, LLM_KWARGS, apply_cpu_env  # noqa: E402
 
 REFUSED_EXIT = 3
+# An untimed run of the same batch right before each timed one (seen on an H200: the first
+# timed repeat after another batch size's run was 20% slower than the rest).
+SETTLE_TOKENS = 16
 # The FFN server's log line for a graph captured on a replay step (vllm_ext/ffn_graphs.py).
 FFN_LATE_CAPTURE = "never captured here: capturing them now"
 COUNTERS = ("num_backend_compilations", "num_inductor_compiles", "num_cudagraph_captured")
 
 
-def triton_cache_dir() -> Path:
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+def triton_cache_dirs() -> list[Path]:
+    """Where this host's processes write compiled Triton kernels: TRITON_CACHE_DIR (else
+    Triton's default), and the triton_cache folders under vLLM's cache root, where vLLM points
+    TRITON_CACHE_DIR inside a worker once it compiles (compiler_interface.initialize_cache).
+    Listed after the warm-up, when those folders exist."""
+    dirs = [Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")]
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    vllm_root = Path(os.environ.get("VLLM_CACHE_ROOT") or xdg / "vllm")
+    if vllm_root.is_dir():
+        dirs += sorted(vllm_root.glob("**/triton_cache"))
+    return dirs
 
 
 class LateEventCounters:
@@ -60,14 +73,15 @@ class LateEventCounters:
 
     def __init__(self, ffn_log: str) -> None:
         self.ffn_log = Path(ffn_log) if ffn_log else None
-        self.cache = triton_cache_dir()
+        self.caches = triton_cache_dirs()
 
     def snapshot(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        try:
-            counts["triton_kernels_compiled"] = sum(1 for _ in os.scandir(self.cache))
-        except OSError:
-            counts["triton_kernels_compiled"] = 0
+        counts: dict[str, int] = {"triton_kernels_compiled": 0}
+        for cache in self.caches:
+            try:
+                counts["triton_kernels_compiled"] += sum(1 for _ in os.scandir(cache))
+            except OSError:
+                pass
         if self.ffn_log is not None and self.ffn_log.is_file():
             text = self.ffn_log.read_text(errors="replace")
             counts["ffn_late_graph_captures"] = text.count(FFN_LATE_CAPTURE)
@@ -81,7 +95,8 @@ class LateEventCounters:
         return counts
 
     def sources(self) -> list[str]:
-        seen = [f"triton cache {self.cache}", "vLLM compilation counters (in-process engine)"]
+        seen = [f"triton caches {', '.join(map(str, self.caches))}",
+                "vLLM compilation counters (in-process engine)"]  # fmt: skip
         if self.ffn_log is not None:
             seen.append("FFN server's late graph captures")
         return seen
@@ -158,8 +173,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n = float(stats.get("exchanges", 0))
         return n, stats["post_us_per_layer"] * n / 1e3, stats["wait_us_per_layer"] * n / 1e3
 
+    # Token ids, not text: the front end adds a batch's requests one by one while the engine
+    # already steps, and tokenizing each on the way staggers their first tokens (seen on an
+    # H200 at batch 256: decode tokens/s 12% below batch / TPOT).
+    tokenizer = llm.get_tokenizer()
     prompts = {
-        b: [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" {i}" for i in range(b)] for b in batches
+        b: [
+            {
+                "prompt_token_ids": tokenizer.encode(
+                    DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" {i}"
+                )
+            }
+            for i in range(b)
+        ]
+        for b in batches
     }
 
     def generate(batch: int, n: int) -> tuple[list[Any], float]:
@@ -180,13 +207,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.repeats):
         for b in batches:
             what = f"batch {b}, repeat {r}"
+            generate(b, SETTLE_TOKENS)  # the timed run never follows another batch size directly
             x0 = exchange_totals()
             before = counters.snapshot()
             if timers is not None:
                 timers.steps.clear()
             outs, wall = generate(b, args.tokens)
             refuse_late_events(late_events(before, counters.snapshot()), what)
-            runs[b].append(decode_run(request_timings(outs), args.tokens, wall, what))
+            timings = request_timings(outs)
+            stagger_ms = 1e3 * (max(t.first_token_s for t in timings)
+                                - min(t.first_token_s for t in timings))  # fmt: skip
+            print(f"{what}: wall {wall:.3f} s, first tokens within {stagger_ms:.1f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            runs[b].append(decode_run(timings, args.tokens, wall, what))
+            print(f"{what}: TPOT {1e3 * runs[b][-1].tpot_s:.3f} ms, "
+                  f"{runs[b][-1].tokens_per_s:.1f} decode tokens/s", file=sys.stderr, flush=True)  # fmt: skip
             if timers is not None:
                 mlp[b].append(statistics.median(timers.steps))
             ids = [list(o.outputs[0].token_ids) for o in outs]

@@ -21,9 +21,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-# Widest relative spread, (max - min) / median over repeats, a figure may have. The GPU bound
-# is the one issue 28 asks re-runs to meet; the CPU machine is a shared 2-core host.
+# Widest relative spread, (max - min) / median over repeats, a figure may have. GPU: an engine
+# on its own GPU(s); two engines sharing one GPU (e2e_decode --one-gpu, with or without MPS)
+# gave 0.24-0.29 over 5 repeats on an H200 (2026-12-01); the CPU machine is a shared 2-core
+# host.
 SPREAD_BOUND_GPU = 0.15
+SPREAD_BOUND_GPU_SHARED = 0.35
 SPREAD_BOUND_CPU = 0.5
 # Decode tokens/s (from the batch's decode span) and batch / TPOT (per request) must agree
 # this closely: they disagree when the requests did not decode together.

@@ -115,7 +115,8 @@ def test_a_compile_or_late_capture_inside_the_timed_region_refuses_the_run() -> 
 
 
 def gpu_args(**over: object) -> argparse.Namespace:
-    base = {"layers": 4, "tokens": 64, "repeats": 3, "spread_bound": 0.15,
+    base = {"layers": 4, "tokens": 64, "repeats": 3, "spread_bound": 0.0, "gpu": True,
+            "one_gpu": False,
             "batches": "64"}  # fmt: skip
     base.update(over)
     return argparse.Namespace(**base)
