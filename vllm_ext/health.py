@@ -17,10 +17,14 @@ import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from afd_ctl.logs import RateLimitedLog
+
 if TYPE_CHECKING:
     from vllm_ext.config import AfdConfig
 
 log = logging.getLogger(__name__)
+# Every request of a failing step fails: one line for the first, then one per 10 s with a count.
+FAILED_REQUESTS = RateLimitedLog(log, "afd: request failed", interval_s=10.0)
 
 # /health may be polled often: ask afd-ctl at most this often, and wait at most ASK_TIMEOUT_S.
 CACHE_S = 0.5
@@ -124,7 +128,7 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
                 "server's log says 'AFD step failed'). Retry; GET /health tells whether the "
                 "FFN side is back."
             )
-        log.error("afd: request %s failed in the engine (%s)", request_id, problem or "SERVING")
+        FAILED_REQUESTS.warn(f"{request_id} in the engine ({problem or 'SERVING'})")
         raise compat.seams().request_failed_error(
             f"The request failed: the AFD FFN side could not run its step. {detail}"
         )
