@@ -18,8 +18,6 @@ OVER_MAX_FOR_NOW = {
     "vllm_ext/exchange.py",
     "vllm_ext/ffn_server.py",
     "vllm_ext/ffn_graphs.py",
-    # Split by the rest of issue 20's work (data-plane factory, per-seam compat modules).
-    "vllm_ext/hooks.py",
 }
 
 

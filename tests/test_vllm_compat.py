@@ -50,6 +50,25 @@ def test_runner_class_names_swapped_at_init_device_exist() -> None:
     assert "CPUModelRunner(" in source
 
 
+def test_deepseek_layers_build_their_mlp_by_module_global_name() -> None:
+    """compat.layers_built_with swaps these names of deepseek_v2's module while each decoder
+    layer is constructed: the constructor must still look them up there."""
+    from vllm.model_executor.models import deepseek_v2
+
+    source = inspect.getsource(deepseek_v2.DeepseekV2DecoderLayer.__init__)
+    assert "DeepseekV2MoE(" in source and "DeepseekV2MLP(" in source
+
+
+def test_batch_queue_entries_keep_their_layout() -> None:
+    """A failed step collects the queued batches' futures (compat.queued_batch_futures):
+    EngineCore.step_with_batch_queue must still queue (future, scheduler_output, exec_future)."""
+    from vllm.v1.engine.core import EngineCore
+
+    source = inspect.getsource(EngineCore.step_with_batch_queue)
+    assert compat.seams().BATCH_QUEUE_ENTRY in source
+    assert compat.seams().queued_batch_futures(("f", "s", "e")) == ("f", "e")
+
+
 def test_other_lines_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm
 

@@ -5,24 +5,28 @@ the platform's V1 runner. The worker's init_device builds the runner from a clas
 resolves at that moment; `compat.runner_class_swapped` points that name at our subclass for
 the construction window only (restored in `finally`).
 
-Runner: vLLM's own runner, with
+Runner: vLLM's own runner, with (the private-method overrides themselves are compat's
+`RunnerSeam`, which calls the `afd_*` hooks here)
 - `load_model`: vLLM builds the family's attention model (vllm_ext/families: MLP/MoE become
   proxies) inside `model_split.attention_split()`, then the AFD session starts (data plane,
   registration, peers).
-- `_determine_batch_execution_and_padding`: where vLLM fixes a step's padded token counts
-  (every DP rank's too), in execute_model and _dummy_run alike: the AFD step opens there
-  (data-plane state, then one published AFDControlPayload), so the payload's hop overlaps
-  with input preparation. Two forward hooks then check the forward runs that step and close
+- `_determine_batch_execution_and_padding` (`afd_padding_decided`): where vLLM fixes a step's
+  padded token counts (every DP rank's too), in execute_model and _dummy_run alike: the AFD
+  step opens there (data-plane state, then one published AFDControlPayload), so the payload's
+  hop overlaps with input preparation. Two forward hooks then check the forward runs that step and close
   it. Every forward means every one: real steps, dummy and DP-padding runs, the
   memory-profiling run and compile warm-up. Under --enable-dbo the hooks run once per
   micro-batch, and at DP 1 AFD makes the micro-batch decision vLLM makes only across DP ranks
   (compat.micro_batched_at_one_rank).
-- `_dummy_run`: only marks the step's flags (profile, warm-up, graph capture).
+- `_dummy_run` (`afd_dummy_run`): only marks the step's flags (profile, warm-up, graph
+  capture); `_model_forward` (`afd_forward_done`): a micro-batch thread's failure is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from vllm_ext import compat, hooks, model_split
@@ -34,8 +38,9 @@ from vllm_ext.step_failures import AfdStepFailed
 log = logging.getLogger(__name__)
 
 
-class AfdAttentionRunnerMixin:
-    """Mixed in front of the platform's V1 model runner (GPUModelRunner or CPUModelRunner)."""
+class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,name-defined]
+    """Mixed in front of the platform's V1 model runner (GPUModelRunner or CPUModelRunner);
+    compat's RunnerSeam overrides vLLM's private methods and calls the afd_* hooks below."""
 
     _afd_session: AttentionSession | None = None
     _afd_flags: StepFlags | None = None
@@ -74,11 +79,10 @@ class AfdAttentionRunnerMixin:
         built.register_forward_pre_hook(self._afd_begin_step, with_kwargs=True)
         built.register_forward_hook(self._afd_end_step)
 
-    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM decides the step's padded size (and, under DP, every rank's) here, before it
-        builds attention metadata and inputs: the AFD step opens now, so its payload travels
-        while the attention side prepares. Both execute_model and _dummy_run pass here."""
-        result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
+    def afd_padding_decided(self, result: tuple, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        """vLLM decided the step's padded size (and, under DP, every rank's), before it builds
+        attention metadata and inputs: the AFD step opens now, so its payload travels while
+        the attention side prepares. Both execute_model and _dummy_run pass here."""
         if self._afd_one_rank_micro_batches:  # vLLM decides micro-batches only under DP > 1
             result = compat.seams().micro_batched_at_one_rank(self, result, args, kwargs)
         num_tokens, across_dp, graph_mode, micro_batched = compat.seams().padding_decision(result)
@@ -98,14 +102,12 @@ class AfdAttentionRunnerMixin:
         )
         return result
 
-    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's model call, on the runner's thread: a failure inside a micro-batch's thread
-        (dual-batch overlap) fails the step here, before its outputs are sampled."""
-        output = super()._model_forward(*args, **kwargs)  # type: ignore[misc]
+    def afd_forward_done(self) -> None:
+        """After vLLM's model call, on the runner's thread: a failure inside a micro-batch's
+        thread (dual-batch overlap) fails the step here, before its outputs are sampled."""
         assert self._afd_session is not None
         self._afd_session.raise_stage_failure()
         self._afd_session.finish_forward()  # a replayed FULL graph ran no forward hooks
-        return output
 
     def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         assert self._afd_session is not None
@@ -118,18 +120,18 @@ class AfdAttentionRunnerMixin:
         assert self._afd_session is not None
         self._afd_session.end_step()
 
-    def _dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        is_profile = bool(kwargs.get("is_profile", False))
+    @contextlib.contextmanager
+    def afd_dummy_run(self, is_profile: bool, is_graph_capturing: bool) -> Iterator[None]:
+        """Around vLLM's _dummy_run: the flags of the step it opens."""
         self._afd_flags = StepFlags(
             is_warmup=not is_profile and not self._afd_serving_dummy,
             is_profile=is_profile,
-            is_graph_capturing=bool(kwargs.get("is_graph_capturing", False)),
+            is_graph_capturing=is_graph_capturing,
         )
         try:
-            result = super()._dummy_run(num_tokens, *args, **kwargs)  # type: ignore[misc]
+            yield
             if self._afd_session is not None:
                 self._afd_session.finish_forward()  # a replayed FULL graph ran no hooks
-            return result
         finally:
             self._afd_flags = None
 

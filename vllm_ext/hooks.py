@@ -1,4 +1,6 @@
-"""The few places where vLLM is wrapped, each once and each transparent without AFD settings.
+"""What the plugin does at the few places where vLLM is wrapped, each transparent without AFD
+settings. The wrapping itself (which vLLM method, once, how) is in vllm_ext/compat/, one module
+per seam (engine_args, serve, engine_core, api_server); this module is the AFD logic it calls.
 
 - `EngineArgs.add_cli_args`: adds --afd-controller, --afd-role, --afd-worker-id.
 - `EngineArgs.from_cli_args`: it copies only dataclass fields, so the flags are folded into
@@ -18,19 +20,17 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import sys
 from typing import Any
 
 from afd_ctl.routing import Role
-from vllm_ext import compat, families
+from vllm_ext import compat, families, step_failures
 from vllm_ext.config import ROLES, AfdConfig, afd_section
 
 log = logging.getLogger(__name__)
 
 ATTENTION_WORKER_CLS = "vllm_ext.attention_worker.AfdAttentionWorker"
-_MARK = "_afd_wrapped"
 
 
 def install() -> None:
@@ -38,17 +38,16 @@ def install() -> None:
     after an earlier call (the engine core of an in-process LLM) is wrapped then."""
     seams = compat.seams()
     families.register_attention_models()
-    engine_args_cls, _ = seams.engine_args_classes()
-    if not getattr(engine_args_cls.add_cli_args, _MARK, False):
-        _wrap_add_cli_args(engine_args_cls)
-        _wrap_from_cli_args(engine_args_cls)
-        _wrap_create_engine_config(engine_args_cls)
-    serve = seams.loaded_serve_module()
-    if serve is not None:  # only the `vllm` CLI process has it (imported before plugins load)
-        _wrap_serve_cmd(serve.ServeSubcommand)
-    core = seams.loaded_engine_core_module()
-    if core is not None:  # engine-core processes load plugins from EngineCore.__init__
-        _wrap_engine_core_shutdown(core)
+    seams.patch_engine_args(add_afd_arguments, _fold_afd_flags, create_engine_config)
+    seams.patch_serve_cmd(serve_cmd)  # only where the `vllm` CLI imported its serve module
+    # Engine-core processes (they load plugins from EngineCore.__init__). Stop is sent when the
+    # busy loop ends, while vLLM's SIGTERM handler is still installed: by the time
+    # EngineCore.shutdown runs, SIGTERM is back to its default and the API server's second
+    # SIGTERM would kill the process before the FFN servers hear `stop`. shutdown() asks again
+    # (idempotent) for the paths that do not leave through the busy loop.
+    seams.patch_engine_core(
+        _ask_workers_to_stop, step_failures.fail_step, step_failures.skip_failed_dummy_batch
+    )
 
 
 def refuse_afd_requests(message: str) -> None:
@@ -115,68 +114,44 @@ def merge_afd_flags(additional_config: Any, args: argparse.Namespace) -> dict[st
     return merged
 
 
-def _wrap_add_cli_args(engine_args_cls: type) -> None:
-    original = engine_args_cls.add_cli_args
-
-    @functools.wraps(original)
-    def add_cli_args(parser, *args, **kwargs):
-        parser = original(parser, *args, **kwargs)
-        add_afd_arguments(parser)
-        return parser
-
-    setattr(add_cli_args, _MARK, True)
-    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
-
-
-def _wrap_from_cli_args(engine_args_cls: type) -> None:
-    original = engine_args_cls.from_cli_args.__func__
-
-    @functools.wraps(original)
-    def from_cli_args(cls, args: argparse.Namespace):
-        engine_args = original(cls, args)
-        engine_args.additional_config = merge_afd_flags(engine_args.additional_config, args)
-        return engine_args
-
-    engine_args_cls.from_cli_args = classmethod(from_cli_args)
+def _fold_afd_flags(engine_args: Any, args: argparse.Namespace) -> None:
+    """After EngineArgs.from_cli_args, which copies only dataclass fields."""
+    engine_args.additional_config = merge_afd_flags(engine_args.additional_config, args)
 
 
 ATTENTION_SHUTDOWN_TIMEOUT_S = 5
 
 
-def _wrap_create_engine_config(engine_args_cls: type) -> None:
-    original = engine_args_cls.create_engine_config
-
-    @functools.wraps(original)  # vLLM's name and signature stay visible
-    def create_engine_config(self, *args, **kwargs):
-        afd = AfdConfig.resolve(afd_section(self.additional_config))
-        if afd is None:
-            return original(self, *args, **kwargs)
-        compat.check_supported()
-        if afd.role is Role.ATTENTION and self.worker_cls == "auto":
-            self.worker_cls = ATTENTION_WORKER_CLS
-        if afd.role is Role.ATTENTION:
-            pinned = compat.seams().pin_v1_model_runner()
-            if pinned:
-                log.info("afd attention: %s", pinned)
-            _micro_batching_backend(self)
-        if afd.role is Role.ATTENTION and not self.shutdown_timeout:
-            # With vLLM's default (0: abort) the API server kills the engine core at once on
-            # SIGTERM, before its workers can publish `stop`; a short drain lets them, so the
-            # FFN servers exit cleanly instead of waiting for a replacement.
-            self.shutdown_timeout = ATTENTION_SHUTDOWN_TIMEOUT_S
-            log.info(
-                "afd attention: --shutdown-timeout %d so that stop reaches the FFN servers",
-                ATTENTION_SHUTDOWN_TIMEOUT_S,
-            )
-        config = original(self, *args, **kwargs)
-        validate(config, afd)
-        if afd.role is Role.ATTENTION:
-            families.use_attention_model(config)
-            _exchange_between_graph_pieces(config)
-            _wrap_api_server(afd)
-        return config
-
-    engine_args_cls.create_engine_config = create_engine_config
+def create_engine_config(original: Any, engine_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """In place of EngineArgs.create_engine_config (`original`, called here): the attention
+    worker class, the V1 runner pin, a stop drain, then the checks on the config vLLM made."""
+    afd = AfdConfig.resolve(afd_section(engine_args.additional_config))
+    if afd is None:
+        return original(engine_args, *args, **kwargs)
+    compat.check_supported()
+    if afd.role is Role.ATTENTION and engine_args.worker_cls == "auto":
+        engine_args.worker_cls = ATTENTION_WORKER_CLS
+    if afd.role is Role.ATTENTION:
+        pinned = compat.seams().pin_v1_model_runner()
+        if pinned:
+            log.info("afd attention: %s", pinned)
+        _micro_batching_backend(engine_args)
+    if afd.role is Role.ATTENTION and not engine_args.shutdown_timeout:
+        # With vLLM's default (0: abort) the API server kills the engine core at once on
+        # SIGTERM, before its workers can publish `stop`; a short drain lets them, so the
+        # FFN servers exit cleanly instead of waiting for a replacement.
+        engine_args.shutdown_timeout = ATTENTION_SHUTDOWN_TIMEOUT_S
+        log.info(
+            "afd attention: --shutdown-timeout %d so that stop reaches the FFN servers",
+            ATTENTION_SHUTDOWN_TIMEOUT_S,
+        )
+    config = original(engine_args, *args, **kwargs)
+    validate(config, afd)
+    if afd.role is Role.ATTENTION:
+        families.use_attention_model(config)
+        _exchange_between_graph_pieces(config)
+        _wrap_api_server(afd)
+    return config
 
 
 def _micro_batching_backend(engine_args: Any) -> None:
@@ -291,12 +266,9 @@ def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
     )
 
 
-_original_serve_cmd: Any = None
-
-
-def serve_cmd(args: argparse.Namespace) -> None:
-    """`vllm serve`: the FFN role runs vllm_ext.ffn_server; anything else is vLLM's own.
-    Module-level (not a closure) because `vllm serve` pickles its args, this included."""
+def serve_cmd(args: argparse.Namespace, vllm_cmd: Any) -> None:
+    """`vllm serve`: the FFN role runs vllm_ext.ffn_server; anything else is vLLM's own
+    (`vllm_cmd`)."""
     merged = merge_afd_flags(getattr(args, "additional_config", None), args)
     afd = AfdConfig.resolve(afd_section(merged))
     if afd is None or afd.role is not Role.FFN:
@@ -305,7 +277,7 @@ def serve_cmd(args: argparse.Namespace) -> None:
         # late for its wrapper, and must still see the afd section (/health, error replies).
         if merged is not None:
             args.additional_config = merged
-        return _original_serve_cmd(args)
+        return vllm_cmd(args)
     from vllm_ext.ffn_server import serve_ffn
 
     if getattr(args, "model_tag", None) is not None:
@@ -313,35 +285,20 @@ def serve_cmd(args: argparse.Namespace) -> None:
     serve_ffn(args)
 
 
-def _wrap_serve_cmd(serve_cls: type) -> None:
-    global _original_serve_cmd
-    if serve_cls.cmd is serve_cmd:
-        return
-    _original_serve_cmd = serve_cls.cmd
-    serve_cls.cmd = staticmethod(serve_cmd)
-
-
 def _wrap_api_server(afd: AfdConfig) -> None:
     """Runs where the engine config is created: the API server process of `vllm serve` (and
     an offline LLM's process, where it is harmless)."""
     from vllm_ext import health, metrics
 
-    AsyncLLM, GenerateBaseServing = compat.seams().api_server_classes()  # noqa: N806
-
+    seams = compat.seams()
     metrics.expose_worker_series()
-    if getattr(AsyncLLM.check_health, _MARK, False):
+    if seams.api_server_patched():
         return
     monitor = health.AfdSideMonitor(afd)
-    check_health = health.wrap_check_health(AsyncLLM.check_health, monitor)
-    setattr(check_health, _MARK, True)
-    AsyncLLM.check_health = check_health
-    GenerateBaseServing._raise_if_error = health.wrap_raise_if_error(
-        GenerateBaseServing._raise_if_error, monitor
-    )
-    GenerateBaseServing._convert_generation_error_to_streaming_response = (
-        health.wrap_streaming_error(
-            GenerateBaseServing._convert_generation_error_to_streaming_response
-        )
+    seams.patch_api_server(
+        lambda check_health: health.wrap_check_health(check_health, monitor),
+        lambda raise_if_error: health.wrap_raise_if_error(raise_if_error, monitor),
+        health.wrap_streaming_error,
     )
 
 
@@ -366,42 +323,3 @@ def _ask_workers_to_stop(engine_core: Any) -> None:
             executor.collective_rpc(_afd_stop_worker, timeout=10)
     except Exception as exc:  # shutting down: report, never block the teardown
         log.warning("afd: could not ask the attention workers to send stop: %s", exc)
-
-
-def _wrap_engine_core_shutdown(core: Any) -> None:
-    """Stop is sent when the busy loop ends, while vLLM's SIGTERM handler is still installed:
-    by the time EngineCore.shutdown runs, SIGTERM is back to its default and the API server's
-    second SIGTERM would kill the process before the FFN servers hear `stop`. shutdown()
-    asks again (idempotent) for the paths that do not leave through the busy loop."""
-    engine_core_cls = core.EngineCore
-    if getattr(engine_core_cls.shutdown, _MARK, False):
-        return
-    original_shutdown = engine_core_cls.shutdown
-
-    def shutdown(self) -> None:
-        _ask_workers_to_stop(self)
-        return original_shutdown(self)
-
-    setattr(shutdown, _MARK, True)
-    engine_core_cls.shutdown = shutdown
-    from vllm_ext import step_failures
-
-    for name in ("step", "step_with_batch_queue"):
-        setattr(engine_core_cls, name, step_failures.fail_step(getattr(engine_core_cls, name)))
-    engine_core_cls.execute_dummy_batch = step_failures.skip_failed_dummy_batch(
-        engine_core_cls.execute_dummy_batch
-    )
-    for name in ("EngineCoreProc", "DPEngineCoreProc"):
-        cls = getattr(core, name, None)
-        if cls is not None and "run_busy_loop" in vars(cls):
-            cls.run_busy_loop = _stop_after(vars(cls)["run_busy_loop"])
-
-
-def _stop_after(run_busy_loop: Any) -> Any:
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return run_busy_loop(self, *args, **kwargs)
-        finally:
-            _ask_workers_to_stop(self)
-
-    return wrapped

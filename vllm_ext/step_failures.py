@@ -128,8 +128,10 @@ def fail_step(step: Any) -> Any:
 def _drain_batch_queue(batch_queue: Any) -> None:
     """Collects the batches already submitted (vLLM's executor futures take no timeout; vLLM
     bounds them with VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)."""
+    from vllm_ext import compat
+
     while batch_queue:
-        for future in batch_queue.pop()[::2]:  # (future, scheduler_output, exec_future)
+        for future in compat.seams().queued_batch_futures(batch_queue.pop()):
             try:
                 future.result()
             except Exception as exc:  # the same loss, most likely; its requests fail below

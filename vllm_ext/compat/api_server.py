@@ -12,6 +12,9 @@ Remove when: every supported line has both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
 SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vllm.v1.engine.async_llm", "AsyncLLM.check_health", ("self",)),
@@ -49,3 +52,30 @@ def engine_dead_error() -> type[Exception]:
     from vllm.v1.engine.exceptions import EngineDeadError
 
     return EngineDeadError
+
+
+_PATCHED = "_afd_wrapped"
+
+
+def api_server_patched() -> bool:
+    AsyncLLM, _ = api_server_classes()  # noqa: N806
+    return bool(getattr(AsyncLLM.check_health, _PATCHED, False))
+
+
+def patch_api_server(
+    wrap_check_health: Callable[[Any], Any],
+    wrap_raise_if_error: Callable[[Any], Any],
+    wrap_streaming_error: Callable[[Any], Any],
+) -> None:
+    """Each of AsyncLLM.check_health, GenerateBaseServing._raise_if_error and
+    _convert_generation_error_to_streaming_response becomes wrap_...(vLLM's method), once."""
+    AsyncLLM, GenerateBaseServing = api_server_classes()  # noqa: N806
+    if api_server_patched():
+        return
+    check_health = wrap_check_health(AsyncLLM.check_health)
+    setattr(check_health, _PATCHED, True)
+    AsyncLLM.check_health = check_health
+    GenerateBaseServing._raise_if_error = wrap_raise_if_error(GenerateBaseServing._raise_if_error)
+    GenerateBaseServing._convert_generation_error_to_streaming_response = wrap_streaming_error(
+        GenerateBaseServing._convert_generation_error_to_streaming_response
+    )

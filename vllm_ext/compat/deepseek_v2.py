@@ -13,7 +13,10 @@ Remove when: DeepSeek moves to a registered model (the window goes, the signatur
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
+from typing import Any
 
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
 SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
@@ -57,3 +60,39 @@ def gate_linear_class() -> type:
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
     return GateLinear
+
+
+@contextlib.contextmanager
+def layers_built_with(
+    moe: Callable[..., Any], mlp: Callable[..., Any], keep_weight: Callable[[str], bool]
+) -> Iterator[None]:
+    """While vLLM builds a DeepseekV2ForCausalLM inside this window: each
+    `DeepseekV2DecoderLayer.__init__` finds `moe` and `mlp` under the module-global names
+    `DeepseekV2MoE` and `DeepseekV2MLP` it builds its MLP by (only inside the constructor, so
+    the model-level isinstance checks that run afterwards see vLLM's real classes), and
+    `DeepseekV2Model.load_weights` loads only the tensors whose name keep_weight accepts.
+    Restored in `finally`. tests/test_vllm_compat.py checks the constructor still builds
+    its MLP by those names."""
+    dsv2 = deepseek_v2_module()
+    layer_cls = dsv2.DeepseekV2DecoderLayer
+    original_init = layer_cls.__init__
+    original_load = dsv2.DeepseekV2Model.load_weights
+    moe_cls, mlp_cls = dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP
+
+    def layer_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP = moe, mlp
+        try:
+            original_init(self, *args, **kwargs)
+        finally:
+            dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP = moe_cls, mlp_cls
+
+    def load_weights(self: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        return original_load(self, ((n, w) for n, w in weights if keep_weight(n)))
+
+    layer_cls.__init__ = layer_init
+    dsv2.DeepseekV2Model.load_weights = load_weights
+    try:
+        yield
+    finally:
+        layer_cls.__init__ = original_init
+        dsv2.DeepseekV2Model.load_weights = original_load

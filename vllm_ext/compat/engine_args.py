@@ -13,7 +13,9 @@ Remove when: every supported vLLM line has such hooks.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
@@ -75,3 +77,48 @@ def compilation_enums() -> tuple[type, type]:
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     return CUDAGraphMode, CompilationMode
+
+
+_PATCHED = "_afd_wrapped"
+
+
+def patch_engine_args(
+    add_arguments: Callable[[Any], None],
+    fold_flags: Callable[[Any, Any], None],
+    make_config: Callable[..., Any],
+) -> None:
+    """Wraps EngineArgs once (idempotent): `add_cli_args` calls add_arguments(parser) after
+    vLLM's own; `from_cli_args` calls fold_flags(engine_args, args) on what vLLM built;
+    `create_engine_config(self, ...)` becomes make_config(vLLM's method, self, ...). vLLM's
+    names and signatures stay visible (functools.wraps)."""
+    engine_args_cls, _ = engine_args_classes()
+    if getattr(engine_args_cls.add_cli_args, _PATCHED, False):
+        return
+    original_add = engine_args_cls.add_cli_args
+
+    @functools.wraps(original_add)
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original_add(parser, *args, **kwargs)
+        add_arguments(parser)
+        return parser
+
+    setattr(add_cli_args, _PATCHED, True)
+    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+
+    original_from = engine_args_cls.from_cli_args.__func__
+
+    @functools.wraps(original_from)
+    def from_cli_args(cls: type, args: Any) -> Any:
+        engine_args = original_from(cls, args)
+        fold_flags(engine_args, args)
+        return engine_args
+
+    engine_args_cls.from_cli_args = classmethod(from_cli_args)
+
+    original_create = engine_args_cls.create_engine_config
+
+    @functools.wraps(original_create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return make_config(original_create, self, *args, **kwargs)
+
+    engine_args_cls.create_engine_config = create_engine_config

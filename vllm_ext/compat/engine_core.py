@@ -13,6 +13,7 @@ Remove when: every supported line has both.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -49,3 +50,60 @@ def engine_core_outputs_classes() -> tuple[type, type]:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
     return EngineCoreOutput, EngineCoreOutputs
+
+
+_PATCHED = "_afd_wrapped"
+
+
+def patch_engine_core(
+    before_shutdown: Callable[[Any], None],
+    wrap_step: Callable[[Any], Any],
+    wrap_dummy_batch: Callable[[Any], Any],
+) -> None:
+    """In an engine-core process (it loads plugins from EngineCore.__init__), once:
+    `EngineCore.shutdown` first calls before_shutdown(engine_core), and so does the end of
+    `EngineCoreProc.run_busy_loop` / `DPEngineCoreProc.run_busy_loop` (while vLLM's SIGTERM
+    handler is still installed); `step` and `step_with_batch_queue` become wrap_step(method),
+    `execute_dummy_batch` wrap_dummy_batch(method)."""
+    core = loaded_engine_core_module()
+    if core is None:
+        return
+    engine_core_cls = core.EngineCore
+    if getattr(engine_core_cls.shutdown, _PATCHED, False):
+        return
+    original_shutdown = engine_core_cls.shutdown
+
+    def shutdown(self: Any) -> Any:
+        before_shutdown(self)
+        return original_shutdown(self)
+
+    setattr(shutdown, _PATCHED, True)
+    engine_core_cls.shutdown = shutdown
+    for name in ("step", "step_with_batch_queue"):
+        setattr(engine_core_cls, name, wrap_step(getattr(engine_core_cls, name)))
+    engine_core_cls.execute_dummy_batch = wrap_dummy_batch(engine_core_cls.execute_dummy_batch)
+    for name in ("EngineCoreProc", "DPEngineCoreProc"):
+        cls = getattr(core, name, None)
+        if cls is not None and "run_busy_loop" in vars(cls):
+            cls.run_busy_loop = _then(vars(cls)["run_busy_loop"], before_shutdown)
+
+
+def _then(run_busy_loop: Any, after: Callable[[Any], None]) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run_busy_loop(self, *args, **kwargs)
+        finally:
+            after(self)
+
+    return wrapped
+
+
+# The tuple EngineCore.step_with_batch_queue queues per batch (tests/test_vllm_compat.py
+# checks vLLM's source still builds it so).
+BATCH_QUEUE_ENTRY = "batch_queue.appendleft((future, scheduler_output, exec_future))"
+
+
+def queued_batch_futures(entry: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The futures of one batch_queue entry, (future, scheduler_output, exec_future) on both
+    lines: what a failed step waits for before it fails the running requests."""
+    return entry[::2]

@@ -14,6 +14,9 @@ Remove when: every supported line has such hooks.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
 SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     (
@@ -51,3 +54,41 @@ def padding_decision(result: tuple) -> tuple[int, list[int] | None, str, bool]:
     across = next((r for r in result if isinstance(r, torch.Tensor)), None)
     rows = None if across is None else [int(n) for n in across.tolist()]
     return int(desc.num_tokens), rows, getattr(mode, "name", "NONE"), ubatch[0]
+
+
+class RunnerSeam:
+    """Mixed in front of the platform's V1 model runner (GPUModelRunner or CPUModelRunner,
+    which inherits these): overrides the three private methods and calls the runner's hooks,
+    which a subclass defines (vllm_ext.attention_worker)."""
+
+    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM decides the step's padded size (and, under DP, every rank's) here, before it
+        builds attention metadata and inputs; execute_model and _dummy_run both pass here."""
+        result = super()._determine_batch_execution_and_padding(*args, **kwargs)  # type: ignore[misc]
+        return self.afd_padding_decided(result, args, kwargs)
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's model call, on the runner's thread (also under dual-batch overlap)."""
+        output = super()._model_forward(*args, **kwargs)  # type: ignore[misc]
+        self.afd_forward_done()
+        return output
+
+    def _dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        """Profile, warm-up, capture and DP-padding runs; the flags say which."""
+        with self.afd_dummy_run(
+            is_profile=bool(kwargs.get("is_profile", False)),
+            is_graph_capturing=bool(kwargs.get("is_graph_capturing", False)),
+        ):
+            return super()._dummy_run(num_tokens, *args, **kwargs)  # type: ignore[misc]
+
+    def afd_padding_decided(self, result: tuple, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        """`result` of _determine_batch_execution_and_padding(*args, **kwargs) (read it with
+        padding_decision); returns what the runner goes on with."""
+        return result
+
+    def afd_forward_done(self) -> None:
+        """After the model call returned on the runner's thread."""
+
+    def afd_dummy_run(self, is_profile: bool, is_graph_capturing: bool) -> Any:
+        """A context manager around one dummy run."""
+        return contextlib.nullcontext()

@@ -11,7 +11,9 @@ Remove when: the FFN server can be started through such an entry point on every 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
 SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
@@ -23,3 +25,30 @@ def loaded_serve_module() -> ModuleType | None:
     """vllm/entrypoints/cli/serve.py, only where the `vllm` CLI already imported it (plugins
     load after it there); ServeSubcommand.cmd is what `vllm serve` runs."""
     return sys.modules.get("vllm.entrypoints.cli.serve")
+
+
+_original_cmd: Any = None
+_run: Callable[[Any, Any], Any] | None = None
+
+
+def serve_cmd(args: Any) -> Any:
+    """ServeSubcommand.cmd once patched: run(args, vLLM's cmd). Module-level (not a closure)
+    because `vllm serve` pickles its args, this included."""
+    if _run is None:
+        return _original_cmd(args)
+    return _run(args, _original_cmd)
+
+
+def patch_serve_cmd(run: Callable[[Any, Any], Any]) -> None:
+    """Where the `vllm` CLI already imported serve.py: `vllm serve` calls run(args, vLLM's own
+    cmd) instead of vLLM's cmd. Idempotent."""
+    global _original_cmd, _run
+    module = loaded_serve_module()
+    if module is None:  # only the `vllm` CLI process has it (imported before plugins load)
+        return
+    _run = run
+    serve_cls = module.ServeSubcommand
+    if serve_cls.cmd is serve_cmd:
+        return
+    _original_cmd = serve_cls.cmd
+    serve_cls.cmd = staticmethod(serve_cmd)

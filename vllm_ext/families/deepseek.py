@@ -2,8 +2,9 @@
 
 Attention role: vLLM builds its own DeepseekV2ForCausalLM, but while each decoder layer is
 constructed the names `DeepseekV2MoE` and `DeepseekV2MLP` in vLLM's model module resolve to
-`AfdFfnProxy` (the load window below, restored in `finally`); the checkpoint's `.mlp.` tensors
-are skipped at load. MLA attention, layernorms, embeddings and lm_head stay as vLLM built them.
+`AfdFfnProxy` (the load window below; the swap is compat's `layers_built_with`, restored in
+`finally`); the checkpoint's `.mlp.` tensors are skipped at load. MLA attention, layernorms,
+embeddings and lm_head stay as vLLM built them.
 (Not yet a registered model as Qwen3-MoE is: the window predates the family modules.)
 
 FFN role: `layers[i].mlp` built with vLLM's own DeepseekV2MoE/DeepseekV2MLP and loaded with
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -47,13 +48,9 @@ class DeepSeek(Family):
             prefix=f"{prefix}.gate",
         )
 
-    @contextlib.contextmanager
-    def attention_load_window(self, gate_here: bool) -> Iterator[None]:
-        dsv2 = compat.seams().deepseek_v2_module()
-        layer_cls = dsv2.DeepseekV2DecoderLayer
-        original_init = layer_cls.__init__
-        original_load = dsv2.DeepseekV2Model.load_weights
-        moe_cls, mlp_cls = dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP
+    def attention_load_window(self, gate_here: bool) -> contextlib.AbstractContextManager[None]:
+        """vLLM's own model, each decoder layer built with proxies where its MLP/MoE would be
+        and the FFN tensors skipped at load (the swap itself: compat.layers_built_with)."""
         family = self
 
         def proxy_moe(*, prefix: str = "", config: Any = None, **_: Any) -> AfdFfnProxy:
@@ -63,30 +60,10 @@ class DeepSeek(Family):
         def proxy_mlp(*, prefix: str = "", **_: Any) -> AfdFfnProxy:
             return AfdFfnProxy(_layer_idx(prefix), "mlp")
 
-        def layer_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-            # Only inside a decoder layer's constructor: the model-level isinstance checks that
-            # run afterwards see vLLM's real classes (so the attention model holds no MoE).
-            dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP = proxy_moe, proxy_mlp  # type: ignore[assignment]
-            try:
-                original_init(self, *args, **kwargs)
-            finally:
-                dsv2.DeepseekV2MoE, dsv2.DeepseekV2MLP = moe_cls, mlp_cls
+        def keep(name: str) -> bool:
+            return not family.is_ffn_weight(name) or (gate_here and family.is_gate_weight(name))
 
-        def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            kept = (
-                (n, w)
-                for n, w in weights
-                if not family.is_ffn_weight(n) or (gate_here and family.is_gate_weight(n))
-            )
-            return original_load(self, kept)
-
-        layer_cls.__init__ = layer_init  # type: ignore[method-assign]
-        dsv2.DeepseekV2Model.load_weights = load_weights  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            layer_cls.__init__ = original_init  # type: ignore[method-assign]
-            dsv2.DeepseekV2Model.load_weights = original_load  # type: ignore[method-assign]
+        return compat.seams().layers_built_with(proxy_moe, proxy_mlp, keep)
 
     def num_routed_experts(self, config: Any) -> int | None:
         return getattr(config, "n_routed_experts", None)
