@@ -44,15 +44,18 @@ proto: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_PROGRESS) tests
 	@echo "==> the vLLM tests again on the other supported vLLM line, 0.26 (all but those marked line_independent)"
 	$(VENV_026)/bin/python -m pytest $(PYTEST_PROGRESS) -m "not line_independent" $(VLLM_TESTS)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_PROGRESS) $(FAST_TESTS)
 
 demo: $(STAMP)
