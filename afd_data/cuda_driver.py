@@ -103,7 +103,8 @@ class CudaDriver:
     def read_words(self, addr: int, words: int) -> list[int]:
         """A synchronous read of `words` 32-bit words (device or IPC-mapped memory)."""
         buf = (ctypes.c_uint32 * words)()
-        self._check(self._dtoh(buf, addr, 4 * words), "cuMemcpyDtoH")
+        dst = ctypes.cast(buf, ctypes.c_void_p)
+        self._check(self._dtoh(dst, addr, 4 * words), "cuMemcpyDtoH")
         return list(buf)
 
     def allocation_of(self, addr: int) -> tuple[int, int]:
@@ -117,15 +118,14 @@ class CudaDriver:
     def ipc_handle(self, base: int) -> bytes:
         handle = _IpcHandle()
         self._check(self._ipc_get(ctypes.byref(handle), base), "cuIpcGetMemHandle")
-        return bytes(handle.reserved)
+        return bytes(handle)  # all 64 bytes (the field itself would stop at a NUL byte)
 
     def ipc_open(self, handle: bytes) -> int:
         if len(handle) != IPC_HANDLE_BYTES:
             raise CudaDriverError(
                 f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}"
             )
-        raw = _IpcHandle()
-        raw.reserved = handle
+        raw = _IpcHandle.from_buffer_copy(handle)
         ptr = ctypes.c_uint64()
         self._check(
             self._ipc_open(ctypes.byref(ptr), raw, IPC_LAZY_PEER_ACCESS), "cuIpcOpenMemHandle"

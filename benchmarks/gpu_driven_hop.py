@@ -70,6 +70,19 @@ def ffn_main(args: argparse.Namespace) -> None:
     transport.close()
 
 
+def _json_line(stream: Any, key: str) -> dict[str, Any]:
+    """The child's next JSON line holding `key` (libraries may print other lines first)."""
+    for line in stream:
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if key in obj:
+                return obj
+    raise RuntimeError(f"the FFN side ended without a {key!r} line")
+
+
 def attention_main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -81,7 +94,7 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
     assert child.stdin is not None and child.stdout is not None
     try:
         transport, gpu = _transport("attention", "cuda:0", args)
-        hello = json.loads(child.stdout.readline())
+        hello = _json_line(child.stdout, "blob")
         child.stdin.write(json.dumps({"blob": base64.b64encode(transport.blob()).decode()}) + "\n")
         child.stdin.flush()
         transport.connect(1, [("ffn", 0, 0, base64.b64decode(hello["blob"]))])
@@ -132,7 +145,7 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
                 graph_replays=args.replays,
                 graph_rows_ok=bool(torch.equal(out, hidden * 2)),
             )
-        done = json.loads(child.stdout.readline())
+        done = _json_line(child.stdout, "ffn_done")
         result["ffn_served"] = done.get("ffn_done")
         gpu.close()
         transport.close()

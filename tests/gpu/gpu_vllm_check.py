@@ -222,7 +222,9 @@ _reference_lock = threading.Lock()
 def colocated(out: Path, results: Path, model: Path, label: str, mode: str,
               ) -> list[dict[str, Any]]:  # fmt: skip
     """The colocated `vllm serve` of `model` in graph mode `mode` on cuda:0 (once per run)."""
-    ref_mode = "piecewise" if mode in ("default", "full_decode_only") else mode
+    # The same mode as the AFD case: on one host AFD runs the FULL graphs asked for (the
+    # exchange GPU-driven inside them).
+    ref_mode = mode
     key = (str(model), ref_mode)
     with _reference_lock:
         if key in _references:
