@@ -3,7 +3,7 @@ it pins their torch 2.11). What is the same on 0.32 comes from `_shared`.
 
 Differences from 0.32 that matter here:
 - no RetryableRequestError: a GenerationError carries its HTTP status instead;
-- the GPU worker builds its runner inside init_device (no _make_model_runner); `_shared`'s
+- the GPU worker builds its runner inside init_device (no _make_model_runner); `compat.worker`'s
   runner_class_swapped covers both;
 - DeepseekV2Model.load_weights reads no is_fused_shared_expert_enabled;
 - the CPU platform has no MLA backend: DeepSeek runs there with VLLM_MLA_DISABLE=1.
