@@ -1,0 +1,123 @@
+"""deploy/kubernetes without a cluster: every overlay renders with `kubectl kustomize`, passes
+`kubernetes-validate --strict` (offline schemas), and says what the deployment relies on.
+tests/test_multihost.py starts the rendered cpu-ci containers and runs their probes."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.kube_pods import KUSTOMIZE_DIR, find, render
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (with kustomize v5) is not installed"
+)
+
+OVERLAYS = ["base", "overlays/m-n", "overlays/tls", "overlays/cpu-ci"]
+
+
+def validate(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", str(path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def container(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return find(docs, kind, name)["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_validates(overlay: str, tmp_path: Path) -> None:
+    docs = render(overlay)
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+    for want in ["Deployment/afd-attention", "Deployment/afd-ctl", "Service/afd-attention",
+                 "Service/afd-ctl", "Service/afd-ffn", "StatefulSet/afd-ffn"]:  # fmt: skip
+        assert want in kinds, kinds
+    out = validate(docs, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_validator_refuses_a_bad_manifest(tmp_path: Path) -> None:
+    """The schema check has teeth: a misspelt probe field fails it."""
+    docs = copy.deepcopy(render("base"))
+    probe = container(docs, "Deployment", "afd-ctl")["readinessProbe"]
+    probe["periodSecond"] = probe.pop("periodSeconds")
+    out = validate(docs, tmp_path)
+    assert out.returncode != 0 and "periodSecond" in out.stdout + out.stderr, out.stdout
+
+
+def test_base_says_what_the_deployment_relies_on() -> None:
+    docs = render("base")
+    ctl = container(docs, "Deployment", "afd-ctl")
+    # Native grpc probes: ready when the set is complete, live while the daemon runs.
+    assert ctl["readinessProbe"]["grpc"] == {"port": 50051, "service": ""}
+    assert ctl["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
+    # Workers register through the Service before the daemon is ready.
+    assert find(docs, "Service", "afd-ctl")["spec"]["publishNotReadyAddresses"] is True
+    ffn_set = find(docs, "StatefulSet", "afd-ffn")
+    ffn = container(docs, "StatefulSet", "afd-ffn")
+    # Every FFN rank must start before any is ready: never OrderedReady.
+    assert ffn_set["spec"]["podManagementPolicy"] == "Parallel"
+    assert env_of(ffn)["AFD_FFN_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
+    }
+    assert ffn["readinessProbe"]["httpGet"]["path"] == "/health"
+    attention = container(docs, "Deployment", "afd-attention")
+    assert attention["readinessProbe"]["httpGet"]["path"] == "/health"
+    # /health is 503 while an FFN server is missing: liveness must not restart for that.
+    assert attention["livenessProbe"]["httpGet"]["path"] != "/health"
+    for kind, name in [("Deployment", "afd-ctl"), ("StatefulSet", "afd-ffn"),
+                       ("Deployment", "afd-attention")]:  # fmt: skip
+        spec = find(docs, kind, name)["spec"]["template"]["spec"]
+        assert spec["restartPolicy"] == "Always"
+        token = env_of(spec["containers"][0])["AFD_CTL_AUTH_TOKEN"]
+        assert token == {"secretKeyRef": {"name": "afd-auth", "key": "token"}}
+    for c in (ffn, attention):
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_m_n_overlay_agrees_on_m_and_n() -> None:
+    docs = render("overlays/m-n")
+    ctl = env_of(container(docs, "Deployment", "afd-ctl"))
+    attention = container(docs, "Deployment", "afd-attention")
+    args = attention["args"]
+    dp = int(args[args.index("--data-parallel-size") + 1])
+    assert int(ctl["AFD_CTL_EXPECT_ATTENTION"]) == dp
+    assert (
+        int(ctl["AFD_CTL_EXPECT_FFN"]) == find(docs, "StatefulSet", "afd-ffn")["spec"]["replicas"]
+    )
+    assert attention["resources"]["limits"]["nvidia.com/gpu"] == dp
+
+
+def test_tls_overlay_reads_cert_manager_secrets() -> None:
+    docs = render("overlays/tls")
+    ctl = container(docs, "Deployment", "afd-ctl")
+    env = env_of(ctl)
+    assert env["AFD_CTL_TLS_CERT"] == "/etc/afd/tls/tls.crt"
+    assert env["AFD_CTL_TLS_KEY"] == "/etc/afd/tls/tls.key"
+    assert env["AFD_CTL_TLS_CLIENT_CA"] == "/etc/afd/tls/ca.crt"
+    # The kubelet's grpc probe has no TLS.
+    assert "grpc" not in ctl["readinessProbe"] and "grpc" not in ctl["livenessProbe"]
+    volumes = find(docs, "Deployment", "afd-ctl")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": "afd-ctl-tls"}} in volumes
+    for kind, name in [("StatefulSet", "afd-ffn"), ("Deployment", "afd-attention")]:
+        worker = env_of(container(docs, kind, name))
+        assert worker["AFD_TLS_CA"] == "/etc/afd/tls/ca.crt"
+    example = (KUSTOMIZE_DIR / "overlays/tls/certificates.example.yaml").read_text()
+    secrets = {d["spec"]["secretName"] for d in yaml.safe_load_all(example)}
+    assert secrets == {"afd-ctl-tls", "afd-worker-tls"}
