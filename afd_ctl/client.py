@@ -21,6 +21,7 @@ changes surface as typed exceptions, in stream order:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -74,6 +75,8 @@ class ControllerClient:
             worker_id=spec.worker_id,
             data_plane_blob=self.data_plane_blob,
         )
+        if spec.model is not None:
+            register.model.CopyFrom(afd_pb2.ModelFingerprint(**dataclasses.asdict(spec.model)))
         self._link = SessionLink(
             stub, metadata, register, self._view, self._handle, liveness_timeout_s, tls
         )

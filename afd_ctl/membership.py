@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from afd_ctl import routing
 from afd_ctl.errors import ControlError, invalid
+from afd_ctl.fingerprint import ModelFingerprint
 from afd_ctl.logs import UNPRINTABLE
 from afd_ctl.routing import Role
 
@@ -32,6 +33,8 @@ class WorkerSpec:
     tp_rank: int = 0
     tp_size: int = 1
     data_plane_blob: bytes = b""
+    # The model it serves (None: not checked; vLLM workers always send one).
+    model: ModelFingerprint | None = None
 
     @property
     def role_rank(self) -> int:
@@ -185,6 +188,7 @@ class Membership:
                 f"held by worker_id {holder.worker_id!r} from {holder.peer}; if that worker is "
                 "gone, retry after the liveness timeout",
             )
+        self._check_model(spec)
         other = self.find(spec.worker_id)
         if other is not None:
             raise ControlError(
@@ -203,6 +207,25 @@ class Membership:
         self.epoch += 1
         self.joins += 1
         return worker
+
+    def _check_model(self, spec: WorkerSpec) -> None:
+        """Every registered worker that says what model it serves serves the same one."""
+        if spec.model is None:
+            return
+        for worker in self._by_slot.values():
+            theirs = worker.spec.model
+            if theirs is None:
+                continue
+            differences = spec.model.differences(theirs)
+            if differences:
+                raise ControlError(
+                    "FAILED_PRECONDITION",
+                    f"model mismatch: {spec.role.lower()} worker {spec.worker_id!r} serves "
+                    f"another model than {worker.describe()}: {'; '.join(differences)} "
+                    f"(this worker vs the registered one); start both roles with the same "
+                    "model and --dtype",
+                )
+            return
 
     def leave(self, worker: Worker, reason: str) -> bool:
         """Removes `worker` if it still holds its slot; returns whether anything changed."""

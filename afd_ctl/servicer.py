@@ -14,6 +14,7 @@ import grpc
 
 from afd_ctl.controller import Controller
 from afd_ctl.errors import ControlError
+from afd_ctl.fingerprint import from_proto
 from afd_ctl.logs import RateLimitedLog, clip
 from afd_ctl.mailbox import MailboxClosed
 from afd_ctl.malformed import MalformedRequest
@@ -120,6 +121,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
             tp_rank=request.tp_rank,
             tp_size=request.tp_size,
             data_plane_blob=request.data_plane_blob,
+            model=from_proto(request.model) if request.HasField("model") else None,
         )
         try:
             session = self.controller.open_session(spec, context.peer())

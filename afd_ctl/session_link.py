@@ -23,8 +23,9 @@ from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Registration refusals that retrying cannot fix.
+# Registration refusals that retrying cannot fix (FAILED_PRECONDITION: a model mismatch).
 PERMANENT_CODES = {
+    grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,

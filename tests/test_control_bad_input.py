@@ -237,3 +237,37 @@ def test_unknown_role_and_huge_ids_are_refused_without_flooding_the_log(start_da
     assert max(len(line) for line in log.splitlines()) < 1000
     # Refused registrations are logged at most once a second (with a count of those not shown).
     assert 1 <= log.count("registration refused") < 6
+
+
+def test_a_worker_of_another_model_is_refused_at_connect(start_daemon):
+    """Issue 22, item 8, over the wire: connect() of an FFN worker serving another model than
+    the registered attention worker ends at once with FAILED_PRECONDITION naming both sides'
+    values; the attention worker carries on, and the right model then joins."""
+    import time
+
+    from afd_ctl.fingerprint import ModelFingerprint
+
+    v3 = ModelFingerprint("DeepseekV3ForCausalLM", 61, 7168, 256, 1, "bfloat16")
+    v2 = ModelFingerprint("DeepseekV2ForCausalLM", 27, 2048, 64, 2, "bfloat16")
+    daemon = start_daemon()
+    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION, model=v3))
+    attn.connect(10)
+    wrong = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN, model=v2))
+    start = time.monotonic()
+    try:
+        with pytest.raises(AfdRejected, match="FAILED_PRECONDITION: model mismatch") as err:
+            wrong.connect(60)
+        assert time.monotonic() - start < 10
+        assert "num_layers 27 vs 61" in str(err.value) and "hidden_size 2048 vs 7168" in str(
+            err.value
+        )
+    finally:
+        wrong.close()
+    right = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN, model=v3))
+    try:
+        right.connect(10)
+        assert attn.wait_complete(10).complete
+    finally:
+        right.close()
+        attn.close()
+    assert "model mismatch" in daemon.log()

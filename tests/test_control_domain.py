@@ -237,3 +237,33 @@ def test_a_payload_that_overtakes_the_complete_view_is_delivered():
         view.next_payload(0.01)
     view.on_payload(make_payload(1, 1, 1))
     assert view.next_payload(5).step_id == 1
+
+
+def test_a_worker_of_another_model_is_refused_naming_both_sides():
+    """Issue 22, item 8: a DeepSeek-V2 FFN worker cannot join a DeepSeek-V3 attention
+    worker; the refusal names each differing field with both values. Workers that send no
+    fingerprint (simulated ones) are not checked."""
+    from afd_ctl.fingerprint import ModelFingerprint
+
+    v3 = ModelFingerprint("DeepseekV3ForCausalLM", 61, 7168, 256, 1, "bfloat16")
+    v2 = ModelFingerprint("DeepseekV2ForCausalLM", 60, 5120, 160, 2, "bfloat16")
+    c = make_controller()
+    c.membership.join(WorkerSpec("a0", ATTENTION, model=v3), "p")
+    with pytest.raises(ControlError) as err:
+        c.membership.join(WorkerSpec("f0", FFN, model=v2), "p")
+    assert err.value.code == "FAILED_PRECONDITION"
+    message = err.value.message
+    assert "model mismatch: ffn worker 'f0'" in message and "attention rank 0 (a0)" in message
+    for field in (
+        "architecture 'DeepseekV2ForCausalLM' vs 'DeepseekV3ForCausalLM'",
+        "num_layers 60 vs 61",
+        "hidden_size 5120 vs 7168",
+        "num_routed_experts 160 vs 256",
+        "num_shared_experts 2 vs 1",
+    ):
+        assert field in message, message
+    assert "dtype '" not in message  # the same on both sides
+    c.membership.join(WorkerSpec("f1", FFN, model=v3), "p")  # the same model joins
+    c2 = make_controller()
+    c2.membership.join(WorkerSpec("a0", ATTENTION, model=v3), "p")
+    c2.membership.join(WorkerSpec("f0", FFN), "p")  # none sent: not checked

@@ -220,3 +220,31 @@ def test_a_broken_plugin_never_breaks_vllm_without_afd(breakage: str, tiny_model
     assert "usage: vllm serve" in out.stdout
     assert both.count("vllm_ext: AFD is unavailable in this process") == 1, both[-3000:]
     assert "Traceback" not in both, both[-3000:]
+
+
+def test_both_roles_of_one_model_have_one_fingerprint(tiny_model: Path, tmp_path: Path) -> None:
+    """Issue 22, item 8: what each role registers as its model (vllm_ext.peer_link), from the
+    engine config vLLM makes for it: equal for the attention and FFN roles of one model (the
+    attention role's own architecture name aside), different for DeepSeek V2 against V3,
+    naming the fields (afd-ctl refuses the pair at connect: tests/test_control_bad_input.py)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ext.peer_link import model_fingerprint
+    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
+
+    def fingerprint(model: Path, role: str):
+        afd = {"afd": {"role": role, "controller": "127.0.0.1:1"}}
+        args = EngineArgs(model=str(model), dtype="float32", additional_config=afd)
+        return model_fingerprint(args.create_engine_config())
+
+    qwen = build_tiny_qwen3_moe(tmp_path / "qwen3")
+    for model in (tiny_model, qwen):
+        attention, ffn = fingerprint(model, "attention"), fingerprint(model, "ffn")
+        assert attention == ffn, (attention, ffn)
+        assert attention.num_layers and attention.hidden_size and attention.num_routed_experts
+        assert attention.dtype == "float32" and attention.weights_digest
+    assert fingerprint(qwen, "ffn").architecture == "Qwen3MoeForCausalLM"
+    v3 = fingerprint(build_tiny_deepseek(tmp_path / "v3", version=3), "attention")
+    differences = fingerprint(tiny_model, "ffn").differences(v3)
+    assert "architecture 'DeepseekV2ForCausalLM' vs 'DeepseekV3ForCausalLM'" in differences

@@ -144,7 +144,9 @@ class AttentionSession:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
         )
-        self._link = PeerLink(access, spec, self._exchange, f"attention rank {self.role_rank}")
+        self._link = PeerLink(
+            access, spec, self._exchange, f"attention rank {self.role_rank}", self.vllm_config
+        )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
         registered = self._link.register(timeout_s=afd.connect_timeout_s)
         view = self._client.wait_complete(timeout_s=afd.connect_timeout_s)

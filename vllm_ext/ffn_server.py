@@ -130,7 +130,9 @@ class FfnWorker:
             num_stages=afd.num_stages,
         )
         spec = WorkerSpec(self.worker_id, Role.FFN, dp_rank=afd.ffn_rank, dp_size=num_ffn)
-        self._link = PeerLink(access, spec, self._exchange, f"ffn rank {afd.ffn_rank}")
+        self._link = PeerLink(
+            access, spec, self._exchange, f"ffn rank {afd.ffn_rank}", self.vllm_config
+        )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
         if afd.profile_dir:
             from vllm_ext.attention_session import _StepProfiler

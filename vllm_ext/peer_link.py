@@ -9,8 +9,12 @@ when a payload or a loss says so); this module is the *how* that both share.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from afd_ctl.fingerprint import ModelFingerprint
 from vllm_ext.control import expected_counts
 
 if TYPE_CHECKING:
@@ -20,7 +24,42 @@ if TYPE_CHECKING:
     from vllm_ext.control import ControlAccess
     from vllm_ext.exchange import _Exchange
 
-__all__ = ["PeerLink", "expected_counts"]
+__all__ = ["PeerLink", "expected_counts", "model_fingerprint"]
+# Files of a local checkpoint whose bytes make its digest (small; the weights are not read).
+DIGEST_FILES = ("config.json", "model.safetensors.index.json")
+
+
+def model_fingerprint(vllm_config: Any) -> ModelFingerprint:
+    """What this worker serves, from vLLM's model config: the same on both roles of one model
+    (the attention role's registered "Afd..." architecture is named as the checkpoint's)."""
+    model_config = vllm_config.model_config
+    hf = model_config.hf_config
+    architecture = (getattr(hf, "architectures", None) or [""])[0]
+    routed = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None) or 0
+    return ModelFingerprint(
+        architecture=architecture.removeprefix("Afd"),
+        num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
+        hidden_size=int(getattr(hf, "hidden_size", 0) or 0),
+        num_routed_experts=int(routed),
+        num_shared_experts=int(getattr(hf, "n_shared_experts", None) or 0),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        weights_digest=_checkpoint_digest(str(model_config.model)),
+    )
+
+
+def _checkpoint_digest(model: str) -> str:
+    """sha256 (16 hex digits) of a local checkpoint's config and index files; "" for a hub
+    name or a folder without them."""
+    folder = Path(model)
+    digest = hashlib.sha256()
+    found = False
+    for name in DIGEST_FILES:
+        try:
+            digest.update((folder / name).read_bytes())
+            found = True
+        except OSError:
+            continue
+    return digest.hexdigest()[:16] if found else ""
 
 
 class PeerLink:
@@ -29,10 +68,18 @@ class PeerLink:
     saw makes the worker rejoin in a new epoch once it has lasted (StuckLossWatch)."""
 
     def __init__(
-        self, access: ControlAccess, spec: WorkerSpec, exchange: _Exchange, who: str
+        self,
+        access: ControlAccess,
+        spec: WorkerSpec,
+        exchange: _Exchange,
+        who: str,
+        vllm_config: Any = None,
     ) -> None:
         from afd_data.rendezvous import StuckLossWatch, follow_losses
 
+        if vllm_config is not None and spec.model is None:
+            # afd-ctl refuses a peer of another model at registration, naming both sides.
+            spec = dataclasses.replace(spec, model=model_fingerprint(vllm_config))
         self.exchange = exchange
         self.client: ControllerClient = access.client(spec, exchange.blob())
         follow_losses(self.client, exchange.transport)

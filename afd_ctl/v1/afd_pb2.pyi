@@ -65,7 +65,7 @@ class AFDControlPayload(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., sender_role_rank: _Optional[int] = ..., stages: _Optional[_Mapping[int, DPMetadata]] = ..., is_warmup: _Optional[bool] = ..., is_graph_capturing: _Optional[bool] = ..., is_graph_replaying: _Optional[bool] = ..., is_profile: _Optional[bool] = ..., stop: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob")
+    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class RegisterRequest(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_BLOB_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     role: Role
     dp_rank: int
     dp_size: int
@@ -80,7 +81,26 @@ class RegisterRequest(_message.Message):
     tp_size: int
     worker_id: str
     data_plane_blob: bytes
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ...) -> None: ...
+    model: ModelFingerprint
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ...) -> None: ...
+
+class ModelFingerprint(_message.Message):
+    __slots__ = ("architecture", "num_layers", "hidden_size", "num_routed_experts", "num_shared_experts", "dtype", "weights_digest")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_routed_experts: int
+    num_shared_experts: int
+    dtype: str
+    weights_digest: str
+    def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_routed_experts: _Optional[int] = ..., num_shared_experts: _Optional[int] = ..., dtype: _Optional[str] = ..., weights_digest: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "role_rank", "dp_rank", "dp_size", "tp_rank", "tp_size", "peer", "registered_at_s")
