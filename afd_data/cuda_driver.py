@@ -90,8 +90,10 @@ class CudaDriver:
         self._check(self._wait(stream, addr, value, WAIT_GEQ), "cuStreamWaitValue32")
 
     def write(self, stream: int, addr: int, value: int, barrier: bool = True) -> None:
-        flags = WRITE_DEFAULT if barrier else WRITE_NO_BARRIER
-        self._check(self._write(stream, addr, value, flags), "cuStreamWriteValue32")
+        # CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER is refused (invalid argument) by the H200
+        # machines' driver: every write keeps the barrier (`barrier` says whether it needs it).
+        del barrier
+        self._check(self._write(stream, addr, value, WRITE_DEFAULT), "cuStreamWriteValue32")
 
     def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         self._check(self._copy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
