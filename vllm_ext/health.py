@@ -29,6 +29,10 @@ FAILED_REQUESTS = RateLimitedLog(log, "afd: request failed", interval_s=10.0)
 # /health may be polled often: ask afd-ctl at most this often, and wait at most ASK_TIMEOUT_S.
 CACHE_S = 0.5
 ASK_TIMEOUT_S = 0.5
+# After a request failed in the engine, /health is 503 until afd-ctl reports SERVING in a newer
+# epoch (the set changed since: the FFN side is back), or at most this long (a loss only the
+# data plane saw heals by a rejoin, which is a new epoch too).
+FAILURE_HOLD_S = 10.0
 
 
 class AfdSideMonitor:
@@ -44,6 +48,38 @@ class AfdSideMonitor:
         self._asked_at = float("-inf")
         self._problem: str | None = None
         self._reported: str | None = None
+        self._epoch = 0  # of afd-ctl's last answer
+        self._answered_at = float("-inf")  # when afd-ctl last answered SERVING
+        # A request failed in the engine: when, and at which epoch (see FAILURE_HOLD_S).
+        self._failed_at = float("-inf")
+        self._failed_epoch = 0
+
+    def note_failure(self) -> None:
+        """A request failed in the engine: /health says so at once (not after the cached
+        answer, or afd-ctl, catches up), and the next /health asks afd-ctl again. Runs on
+        the API server's event loop, so it takes no lock (`problem` may hold it while it asks);
+        plain assignments."""
+        self._failed_at, self._failed_epoch = time.monotonic(), self._epoch
+        self._asked_at = float("-inf")
+        self._problem = self._failing(self._problem)
+
+    def serving_age_s(self) -> float:
+        """Seconds since afd-ctl last answered SERVING (inf: never)."""
+        return time.monotonic() - self._answered_at
+
+    def _failing(self, problem: str | None) -> str | None:
+        """`problem`, or, while a failure is recent and afd-ctl has not moved past its epoch,
+        that failure."""
+        if problem is not None:
+            return problem
+        age = time.monotonic() - self._failed_at
+        if age < FAILURE_HOLD_S and self._epoch <= self._failed_epoch:
+            return (
+                f"an AFD step failed {age:.1f} s ago and afd-ctl at {self.controller} still "
+                f"reports SERVING at epoch {self._epoch} (a loss it has not seen yet, or only "
+                "the data plane saw)"
+            )
+        return None
 
     @property
     def last_problem(self) -> str | None:
@@ -55,7 +91,7 @@ class AfdSideMonitor:
         with self._lock:
             if time.monotonic() - self._asked_at < CACHE_S:
                 return self._problem
-            self._problem = self._ask()
+            self._problem = self._failing(self._ask())
             self._asked_at = time.monotonic()
             if self._problem != self._reported:
                 if self._problem is None:
@@ -77,7 +113,9 @@ class AfdSideMonitor:
             return str(exc)
         except grpc.RpcError as exc:
             return f"afd-ctl at {self.controller} is unreachable ({exc.code().name})"
+        self._epoch = status.epoch
         if status.health == "SERVING":
+            self._answered_at = time.monotonic()
             return None
         roles = ", ".join(
             f"{afd_pb2.Role.Name(r.role).lower()} {r.registered}/{r.expected}" for r in status.roles
@@ -119,14 +157,16 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
         # Only the cached answer: this runs on the API server's event loop (check_health and
         # its thread keep it fresh).
         problem = monitor.last_problem
+        monitor.note_failure()
         if problem is not None:
             detail = f"{problem}. Retry once GET /health returns 200."
         else:
             detail = (
-                f"afd-ctl at {monitor.controller} reported SERVING when last asked, so the loss "
-                "may not have reached it yet, or only the data plane saw it (the attention "
-                "server's log says 'AFD step failed'). Retry; GET /health tells whether the "
-                "FFN side is back."
+                f"afd-ctl at {monitor.controller} last answered SERVING "
+                f"{monitor.serving_age_s():.1f} s before this failure: the loss had not reached "
+                "it yet, afd-ctl itself went down since, or only the data plane saw it (the "
+                "attention server's log says 'AFD step failed'). Retry once GET /health "
+                "returns 200."
             )
         FAILED_REQUESTS.warn(f"{request_id} in the engine ({problem or 'SERVING'})")
         raise compat.seams().request_failed_error(

@@ -1,0 +1,48 @@
+"""The attention server's /health answer (vllm_ext.health.AfdSideMonitor) against a real
+afd-ctl, without vLLM (issue 22, should-fix): a request that failed in the engine makes
+/health 503 at once, while afd-ctl still reports SERVING in the same epoch; afd-ctl's next
+epoch (the FFN side back) makes it 200 again; a daemon killed right after a failure is not
+hidden by the cached answer."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from afd_ctl.client import ControllerClient
+from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+from vllm_ext.config import AfdConfig
+from vllm_ext.health import AfdSideMonitor
+
+
+def test_health_says_a_failed_step_at_once_and_recovers_with_the_next_epoch(start_daemon):
+    daemon = start_daemon()
+    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION))
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
+    attn.connect(10)
+    ffn.connect(10)
+    monitor = AfdSideMonitor(AfdConfig(controller=daemon.address, role="attention"))
+    try:
+        first = attn.wait_complete(10)
+        assert monitor.problem() is None
+        monitor.note_failure()  # what a request that failed in the engine does
+        problem = monitor.problem()
+        assert problem is not None and "an AFD step failed" in problem, problem
+        assert f"still reports SERVING at epoch {first.epoch}" in problem
+        # The FFN side comes back (here: leaves and registers again): a newer complete epoch.
+        ffn.rejoin("test")
+        attn.wait_complete(10, after_epoch=first.epoch + 1)
+        deadline = time.monotonic() + 5  # the answer is cached for CACHE_S
+        while monitor.problem() is not None:
+            assert time.monotonic() < deadline, monitor.problem()
+            time.sleep(0.05)
+        # A failure, then afd-ctl dies: the next /health asks afd-ctl instead of reusing the
+        # answer it cached, and says it is unreachable.
+        monitor.note_failure()
+        daemon.signal(signal.SIGKILL)
+        daemon.wait(5)
+        problem = monitor.problem()
+        assert problem is not None and "unreachable" in problem, problem
+    finally:
+        attn.close(0.5)
+        ffn.close(0.5)
