@@ -309,6 +309,18 @@ def format_status(status: afd_pb2.Status) -> str:
             lines.append(
                 f"{sub.worker_id:<28} {sub.queued:>7} {sub.queue_capacity:>9} {sub.last_step_id:>10}"
             )
+    if status.taps:
+        lines += [
+            "",
+            f"{'TAP (LIVE STREAM)':<28} {'QUEUED':>7} {'CAPACITY':>9} {'SENT':>8} "
+            f"{'LAST STEP':>10} {'BEHIND':>7}",
+        ]
+        for tap in status.taps:
+            behind = status.last_step_id - tap.last_step_id if tap.include_payloads else 0
+            lines.append(
+                f"{tap.peer:<28} {tap.queued:>7} {tap.queue_capacity:>9} {tap.delivered:>8} "
+                f"{tap.last_step_id if tap.include_payloads else '-':>10} {behind:>7}"
+            )
     if status.recent_events:
         lines += ["", "RECENT EVENTS"]
         for event in status.recent_events[-RECENT_SHOWN:]:

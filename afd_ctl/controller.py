@@ -376,6 +376,15 @@ class Controller:
             status.roles.add(
                 role=ROLE_TO_PROTO[role], expected=m.expected[role], registered=m.count(role)
             )
+        for tap in self.taps:
+            status.taps.add(
+                peer=tap.peer,
+                include_payloads=tap.include_payloads,
+                queued=len(tap.mailbox),
+                queue_capacity=tap.mailbox.capacity,
+                delivered=tap.mailbox.delivered,
+                last_step_id=tap.mailbox.last_step_id,
+            )
         for session in self.sessions.values():
             if session.worker.role == FFN:
                 status.subscribers.add(

@@ -253,6 +253,8 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
                     return
                 if not await send(context, event):
                     return
+                if event.HasField("payload"):
+                    tap.mailbox.last_step_id = event.payload.step_id
         finally:
             self.controller.remove_tap(tap)
             self.watch_limits.release(peer)

@@ -221,3 +221,51 @@ def test_demo_answer_reads_as_text():
     from vllm_ext.demo import readable
 
     assert readable("\ufffd\ufffdT dep\n\ufffdTTT") == "'??T dep??TTT'"
+
+
+def test_status_lists_live_streams_and_how_far_behind_each_is(start_daemon, capsys):
+    """Issue 22, should-fix: `afd-ctl status` shows each Tap client (afd-ctl watch, grpcurl):
+    its address, what is queued for it, what it was sent, the last step it got and how many
+    steps it is behind the relay."""
+    import grpc
+
+    from afd_ctl.client import ControllerClient
+    from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+    from afd_ctl.sim_worker import make_payload
+    from afd_ctl.v1 import afd_pb2_grpc
+
+    daemon = start_daemon()
+    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION))
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
+    channel = grpc.insecure_channel(daemon.address)
+    try:
+        attn.connect(10)
+        ffn.connect(10)
+        attn.wait_complete(10)
+        tap = afd_pb2_grpc.AFDInspectStub(channel).Tap(
+            afd_pb2.TapRequest(include_payloads=True), timeout=30
+        )
+        tap.initial_metadata()  # subscribed
+        for step in range(1, 6):
+            attn.publish(make_payload(step, 1, 1))
+        for event in tap:
+            if event.HasField("payload") and event.payload.step_id == 5:
+                break
+        deadline = time.monotonic() + 10  # the daemon notes the write after it returns
+        while True:
+            assert cli(["status", "--controller", daemon.address, "--json"]) == 0
+            taps = json.loads(capsys.readouterr().out)["taps"]
+            if taps and taps[0]["last_step_id"] == 5 or time.monotonic() > deadline:
+                break
+        assert len(taps) == 1 and taps[0]["include_payloads"], taps
+        assert taps[0]["last_step_id"] == 5 and taps[0]["queued"] == 0, taps
+        assert taps[0]["delivered"] >= 5 and taps[0]["peer"].startswith("ipv4:127.0.0.1:")
+        assert cli(["status", "--controller", daemon.address]) == 0
+        out = capsys.readouterr().out
+        assert "TAP (LIVE STREAM)" in out and "BEHIND" in out
+        line = next(x for x in out.splitlines() if x.startswith(taps[0]["peer"]))
+        assert line.split()[-2:] == ["5", "0"], line
+    finally:
+        channel.close()
+        attn.close()
+        ffn.close()

@@ -294,8 +294,24 @@ class SubscriberLag(_message.Message):
     queue_capacity: int
     def __init__(self, worker_id: _Optional[str] = ..., queued: _Optional[int] = ..., last_step_id: _Optional[int] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
 
+class TapLag(_message.Message):
+    __slots__ = ("peer", "include_payloads", "queued", "queue_capacity", "delivered", "last_step_id")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    include_payloads: bool
+    queued: int
+    queue_capacity: int
+    delivered: int
+    last_step_id: int
+    def __init__(self, peer: _Optional[str] = ..., include_payloads: _Optional[bool] = ..., queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., delivered: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
+
 class Status(_message.Message):
-    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state")
+    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state", "taps")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +324,7 @@ class Status(_message.Message):
     LISTEN_FIELD_NUMBER: _ClassVar[int]
     RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_STATE_FIELD_NUMBER: _ClassVar[int]
+    TAPS_FIELD_NUMBER: _ClassVar[int]
     health: str
     epoch: int
     controller_incarnation: str
@@ -320,7 +337,8 @@ class Status(_message.Message):
     listen: str
     recent_events: _containers.RepeatedCompositeFieldContainer[MembershipEvent]
     health_state: Health
-    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ...) -> None: ...
+    taps: _containers.RepeatedCompositeFieldContainer[TapLag]
+    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("role",)
