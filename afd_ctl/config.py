@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, fields
 
-from afd_ctl.tls import check_certificates, check_key_pair
+from afd_ctl.tls import check_certificates, check_key_pair, read_file
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 ENV_PREFIX = "AFD_CTL_"
@@ -76,6 +76,14 @@ class DaemonConfig:
                 "--metrics-port must be a TCP port, 0 (off) or -1 (a free one, named in the "
                 f"log), got {self.metrics_port}"
             )
+        # A file that is given but missing is the first thing to fix: said before the pairing.
+        for flag, path in (
+            ("--tls-cert", self.tls_cert),
+            ("--tls-key", self.tls_key),
+            ("--tls-client-ca", self.tls_client_ca),
+        ):
+            if path:
+                read_file(path, flag)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:

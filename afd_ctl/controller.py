@@ -79,6 +79,8 @@ class Controller:
         # The last RECENT_EVENTS membership changes, for status (what happened, and why).
         self.recent_events: deque[afd_pb2.MembershipEvent] = deque(maxlen=RECENT_EVENTS)
         self.draining = False
+        # The attention side published `stop` since the set was last complete.
+        self.stop_relayed = False
         self.steps_relayed = 0
         self.payloads_rejected = 0
         self.last_step_id = 0
@@ -129,6 +131,7 @@ class Controller:
         session.mailbox.offer(afd_pb2.SessionMessage(registered=registered))
         self._broadcast(Event.PEER_JOINED, worker, "registered", skip=worker)
         if self.membership.complete and not was_complete:
+            self.stop_relayed = False
             log.info("expected set complete, epoch %d: SERVING", self.membership.epoch)
             self._broadcast(Event.SET_COMPLETE, None, "all expected workers registered")
         self._health_changed()
@@ -143,7 +146,9 @@ class Controller:
         session.mailbox.close("CANCELLED", reason, discard=True)
         if not self.membership.leave(worker, reason):
             return
-        level = logging.INFO if self.draining else logging.WARNING
+        # After a stop (a drain, or the attention side's stop payload) workers leaving is the
+        # plan, not a loss to warn about.
+        level = logging.INFO if self.draining or self.stop_relayed else logging.WARNING
         log.log(
             level, "peer lost: %s: %s; epoch %d", worker.describe(), reason, self.membership.epoch
         )
@@ -220,6 +225,8 @@ class Controller:
             raise
         sender.last_step_id = payload.step_id
         self.last_step_id = payload.step_id
+        if payload.stop:
+            self.stop_relayed = True
         self.steps_relayed += 1
         message = afd_pb2.SessionMessage(payload=payload)
         for mailbox in self._targets_of(sender):
@@ -266,8 +273,13 @@ class Controller:
         recent = Event(kind=kind, reason=reason, at_s=at_s)
         if info is not None:
             recent.worker.CopyFrom(info)
-        recent.view.epoch = self.membership.epoch
-        recent.view.complete = self.membership.complete
+        # The daemon's view at the change; peers are per worker, so none here.
+        m = self.membership
+        recent.view.epoch = m.epoch
+        recent.view.complete = m.complete
+        recent.view.controller_incarnation = self.incarnation
+        recent.view.expected_attention = m.expected[ATTENTION]
+        recent.view.expected_ffn = m.expected[FFN]
         self.recent_events.append(recent)
         for session in list(self.sessions.values()):
             if session.worker is skip:

@@ -92,6 +92,26 @@ def test_status_json_has_every_field_with_numbers_as_numbers(start_daemon, capsy
     }
 
 
+def test_recent_events_carry_the_daemons_view(start_daemon, capsys):
+    """Issue 22, should-fix: an event in `status --json` carries the expected counts (they
+    read 0 before); its view has no peers (they are per worker)."""
+    from afd_ctl.client import ControllerClient
+    from afd_ctl.membership import FFN, WorkerSpec
+
+    daemon = start_daemon("--expect-ffn", "2")
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN, dp_size=2))
+    try:
+        ffn.connect(10)
+        assert cli(["status", "--controller", daemon.address, "--json"]) == 0
+        event = json.loads(capsys.readouterr().out)["recent_events"][-1]
+        assert event["kind"] == "PEER_JOINED"
+        view = event["view"]
+        assert (view["expected_attention"], view["expected_ffn"]) == (1, 2), view
+        assert view["controller_incarnation"] and view["peers"] == []
+    finally:
+        ffn.close()
+
+
 def test_workers_columns_line_up():
     workers = [
         afd_pb2.WorkerInfo(role=afd_pb2.ATTENTION, worker_id="a", dp_rank=0, dp_size=1, tp_size=1),

@@ -484,3 +484,27 @@ def test_a_session_that_stops_reading_is_cut_off_and_told(start_daemon):
         finally:
             hung_up.set()
             attn.close()
+
+
+def test_a_normal_stop_logs_no_warning(start_daemon):
+    """Issue 22, should-fix: after the attention side's stop payload, the workers leaving are
+    the plan: the daemon logs them at INFO, not as WARNING "peer lost"."""
+    daemon = start_daemon()
+    attn = client(daemon, "attn-0", ATTENTION)
+    ffn = client(daemon, "ffn-0", FFN)
+    try:
+        attn.wait_complete(10)
+        publish_steps(attn, 1, 3)
+        attn.publish(afd_pb2.AFDControlPayload(step_id=4, stop=True))
+        attn.flush()
+        for _ in range(3):
+            ffn.next_payload(5)
+        with pytest.raises(AfdStopped):
+            ffn.next_payload(5)
+    finally:
+        ffn.close(reason="stop received")
+        attn.close(reason="attention server shutting down")
+    daemon.wait_for("peer lost: attention rank 0", 5)
+    log = daemon.log()
+    assert "INFO afd_ctl.controller: peer lost: ffn rank 0" in log, log
+    assert "WARNING" not in log, log

@@ -135,6 +135,8 @@ def test_mutual_tls_requires_a_client_certificate(start_daemon, pki: Path):
 def test_bad_daemon_flags_fail_fast_with_a_clear_message(tmp_path: Path):
     for args, message in (
         (["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", "x"], "no such file"),
+        # Issue 22: the missing file first, not the missing --tls-key.
+        (["--tls-cert", str(tmp_path / "missing.pem")], f"{tmp_path / 'missing.pem'}: no such"),
         (["--expect-ffn", "0"], "--expect-attention and --expect-ffn must be >= 1"),
         (["--listen", "nowhere"], "--listen must be HOST:PORT or unix:PATH"),
     ):
