@@ -251,6 +251,8 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
                     if closed.code != "OK":
                         await context.abort(status_code(closed.code), closed.message)
                     return
+                if event is None:  # only a get() with a timeout returns None
+                    continue
                 if not await send(context, event):
                     return
                 if event.HasField("payload"):
