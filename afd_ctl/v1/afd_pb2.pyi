@@ -205,14 +205,84 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("register", "heartbeat", "leave")
+    __slots__ = ("register", "heartbeat", "leave", "timings", "trace")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     register: RegisterRequest
     heartbeat: Heartbeat
     leave: Leave
-    def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+    timings: StepTimings
+    trace: TraceSpans
+    def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., trace: _Optional[_Union[TraceSpans, _Mapping]] = ...) -> None: ...
+
+class StepTimings(_message.Message):
+    __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s")
+    FIRST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_WALL_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SEND_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    first_step_id: int
+    last_step_id: int
+    steps: int
+    busy_wall_s: float
+    compute_s: float
+    wait_s: float
+    send_s: float
+    bytes: int
+    tokens: int
+    layers: int
+    step_compute_s: _containers.RepeatedScalarFieldContainer[float]
+    step_wait_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, first_step_id: _Optional[int] = ..., last_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., busy_wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., send_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., step_compute_s: _Optional[_Iterable[float]] = ..., step_wait_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TraceStart(_message.Message):
+    __slots__ = ("trace_id", "first_step_id", "steps", "daemon_sent_s")
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_SENT_S_FIELD_NUMBER: _ClassVar[int]
+    trace_id: int
+    first_step_id: int
+    steps: int
+    daemon_sent_s: float
+    def __init__(self, trace_id: _Optional[int] = ..., first_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., daemon_sent_s: _Optional[float] = ...) -> None: ...
+
+class TraceSpan(_message.Message):
+    __slots__ = ("name", "step_id", "start_s", "end_s", "layer")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    step_id: int
+    start_s: float
+    end_s: float
+    layer: int
+    def __init__(self, name: _Optional[str] = ..., step_id: _Optional[int] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ..., layer: _Optional[int] = ...) -> None: ...
+
+class TraceSpans(_message.Message):
+    __slots__ = ("trace_id", "worker_received_s", "worker_sent_s", "spans")
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_RECEIVED_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SENT_S_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    trace_id: int
+    worker_received_s: float
+    worker_sent_s: float
+    spans: _containers.RepeatedCompositeFieldContainer[TraceSpan]
+    def __init__(self, trace_id: _Optional[int] = ..., worker_received_s: _Optional[float] = ..., worker_sent_s: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ...) -> None: ...
 
 class Leave(_message.Message):
     __slots__ = ("reason",)
@@ -221,16 +291,18 @@ class Leave(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class SessionMessage(_message.Message):
-    __slots__ = ("registered", "payload", "event", "heartbeat")
+    __slots__ = ("registered", "payload", "event", "heartbeat", "trace_start")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_START_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     payload: AFDControlPayload
     event: MembershipEvent
     heartbeat: Heartbeat
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., event: _Optional[_Union[MembershipEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    trace_start: TraceStart
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., event: _Optional[_Union[MembershipEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., trace_start: _Optional[_Union[TraceStart, _Mapping]] = ...) -> None: ...
 
 class PublishRejected(_message.Message):
     __slots__ = ("step_id", "code", "message", "reason")
@@ -311,7 +383,7 @@ class TapLag(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., include_payloads: _Optional[bool] = ..., queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., delivered: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state", "taps")
+    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state", "taps", "loads")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +397,7 @@ class Status(_message.Message):
     RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_STATE_FIELD_NUMBER: _ClassVar[int]
     TAPS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     health: str
     epoch: int
     controller_incarnation: str
@@ -338,7 +411,92 @@ class Status(_message.Message):
     recent_events: _containers.RepeatedCompositeFieldContainer[MembershipEvent]
     health_state: Health
     taps: _containers.RepeatedCompositeFieldContainer[TapLag]
-    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ...) -> None: ...
+    loads: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
+    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("worker_id", "role", "role_rank", "steps", "reports", "utilisation", "waiting_share", "compute_ms_per_step", "wait_ms_per_step", "send_ms_per_step", "tokens_per_step", "bytes_per_step", "layers", "reports_dropped")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SHARE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SEND_MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    role_rank: int
+    steps: int
+    reports: int
+    utilisation: float
+    waiting_share: float
+    compute_ms_per_step: float
+    wait_ms_per_step: float
+    send_ms_per_step: float
+    tokens_per_step: float
+    bytes_per_step: float
+    layers: int
+    reports_dropped: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., steps: _Optional[int] = ..., reports: _Optional[int] = ..., utilisation: _Optional[float] = ..., waiting_share: _Optional[float] = ..., compute_ms_per_step: _Optional[float] = ..., wait_ms_per_step: _Optional[float] = ..., send_ms_per_step: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., bytes_per_step: _Optional[float] = ..., layers: _Optional[int] = ..., reports_dropped: _Optional[int] = ...) -> None: ...
+
+class GetTimingsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerTimings(_message.Message):
+    __slots__ = ("load", "window")
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    load: WorkerLoad
+    window: _containers.RepeatedCompositeFieldContainer[StepTimings]
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., window: _Optional[_Iterable[_Union[StepTimings, _Mapping]]] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("workers", "window_reports")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerTimings]
+    window_reports: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerTimings, _Mapping]]] = ..., window_reports: _Optional[int] = ...) -> None: ...
+
+class TraceRequest(_message.Message):
+    __slots__ = ("steps", "timeout_s")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    timeout_s: float
+    def __init__(self, steps: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WorkerTrace(_message.Message):
+    __slots__ = ("worker", "spans", "offset_s", "offset_error_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_S_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_ERROR_S_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    spans: _containers.RepeatedCompositeFieldContainer[TraceSpan]
+    offset_s: float
+    offset_error_s: float
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ..., offset_s: _Optional[float] = ..., offset_error_s: _Optional[float] = ...) -> None: ...
+
+class TraceResult(_message.Message):
+    __slots__ = ("first_step_id", "steps", "workers", "missing")
+    FIRST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    first_step_id: int
+    steps: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerTrace]
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, first_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerTrace, _Mapping]]] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("role",)

@@ -192,6 +192,16 @@ class AFDInspectStub:
                 request_serializer=afd__ctl_dot_v1_dot_afd__pb2.StopRequest.SerializeToString,
                 response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.StopResponse.FromString,
                 _registered_method=True)
+        self.GetTimings = channel.unary_unary(
+                '/afd.v1.AFDInspect/GetTimings',
+                request_serializer=afd__ctl_dot_v1_dot_afd__pb2.GetTimingsRequest.SerializeToString,
+                response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.Timings.FromString,
+                _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/afd.v1.AFDInspect/Trace',
+                request_serializer=afd__ctl_dot_v1_dot_afd__pb2.TraceRequest.SerializeToString,
+                response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.TraceResult.FromString,
+                _registered_method=True)
 
 
 class AFDInspectServicer:
@@ -228,6 +238,22 @@ class AFDInspectServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTimings(self, request, context):
+        """Every reporting worker's rolling window of StepTimings (`afd-ctl advise`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Trace(self, request, context):
+        """Records the next `steps` steps on every worker and returns their spans, clocks aligned
+        to the daemon's (`afd-ctl trace`). FAILED_PRECONDITION when the set is incomplete or a
+        trace is already running; DEADLINE_EXCEEDED when no worker answered in time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AFDInspectServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +276,16 @@ def add_AFDInspectServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.StopRequest.FromString,
                     response_serializer=afd__ctl_dot_v1_dot_afd__pb2.StopResponse.SerializeToString,
+            ),
+            'GetTimings': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTimings,
+                    request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.GetTimingsRequest.FromString,
+                    response_serializer=afd__ctl_dot_v1_dot_afd__pb2.Timings.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.TraceRequest.FromString,
+                    response_serializer=afd__ctl_dot_v1_dot_afd__pb2.TraceResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +397,60 @@ class AFDInspect:
             '/afd.v1.AFDInspect/Stop',
             afd__ctl_dot_v1_dot_afd__pb2.StopRequest.SerializeToString,
             afd__ctl_dot_v1_dot_afd__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTimings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.v1.AFDInspect/GetTimings',
+            afd__ctl_dot_v1_dot_afd__pb2.GetTimingsRequest.SerializeToString,
+            afd__ctl_dot_v1_dot_afd__pb2.Timings.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.v1.AFDInspect/Trace',
+            afd__ctl_dot_v1_dot_afd__pb2.TraceRequest.SerializeToString,
+            afd__ctl_dot_v1_dot_afd__pb2.TraceResult.FromString,
             options,
             channel_credentials,
             insecure,
