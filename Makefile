@@ -14,9 +14,11 @@ NIXL_VERSION := 1.5.1
 # Per-test progress (a line per test) and the slowest tests at the end, then pytest's summary.
 PYTEST_PROGRESS := -v --durations=15
 # Everything but the tests that start vLLM: the inner loop while changing afd_ctl or afd_data.
-FAST_TESTS := --ignore-glob='tests/test_vllm_*' tests
+# test_multihost.py starts vLLM too (network-namespace hosts; `make test-multihost` alone).
+FAST_TESTS := --ignore-glob='tests/test_vllm_*' --ignore=tests/test_multihost.py tests
+MULTIHOST_TESTS := tests/test_kubernetes_manifests.py tests/test_multihost.py
 
-.PHONY: setup proto lint test test-fast demo demo-sim bench clean
+.PHONY: setup proto lint test test-fast test-multihost demo demo-sim bench clean
 
 setup: $(STAMP) $(STAMP_026)
 
@@ -57,6 +59,11 @@ test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_PROGRESS) $(FAST_TESTS)
+
+# Part of `make test` too: AFD across network-namespace hosts from the Kubernetes manifests
+# (root, `ip netns`, kubectl with kustomize v5; skipped with the reason otherwise).
+test-multihost: $(STAMP)
+	$(PY) -m pytest $(PYTEST_PROGRESS) $(MULTIHOST_TESTS)
 
 demo: $(STAMP)
 	$(PY) -m vllm_ext.demo

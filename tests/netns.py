@@ -193,6 +193,8 @@ class Hosts:
         # writes back comes in on tun0 and leaves by the main table, over the bridge.
         sh("ip", "-n", ns, "route", "add", "default", "dev", "tun0", "table", "100")
         sh("ip", "-n", ns, "rule", "add", "iif", "eth0", "lookup", "100", "pref", "100")
+        # An earlier relay had the router's address with another MAC: forget it.
+        sh("ip", "-n", self.netns[name], "neigh", "flush", router, check=False)
         for other, address in self.address.items():
             if other != name:
                 sh("ip", "-n", self.netns[name], "route", "add", f"{address}/32", "via", router)
