@@ -4,7 +4,10 @@ Each host gets one interface, `eth0`, with an address from 198.18.0.0/15 (the ra
 for network tests), a veth whose other end is a port of a bridge in the root namespace; the
 bridge has the subnet's .254, so the test process reaches every host. Names that resolve on a
 cluster (a Service name) resolve in the hosts through /etc/netns/NS/hosts, which `ip netns exec`
-binds over /etc/hosts. Cutting a host's link is `ip link set VETH down` on its bridge port.
+binds over /etc/hosts (with a resolv.conf naming no reachable server; grpc's c-ares resolver
+still tries DNS for 12 s before it reads the hosts file, so pods here use the native one). The
+hosts have no default route: nothing they send leaves the bridge. Cutting a host's link is
+`ip link set VETH down` on its bridge port.
 
 A delay on a host's outgoing traffic is `tc netem` when the kernel has it; kernels without
 sch_netem (Firecracker's, for one) get the same through a router namespace whose TUN device
@@ -108,7 +111,6 @@ class Hosts:
         sh("ip", "-n", ns, "addr", "add", f"{self.address[name]}/24", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", ns, "route", "add", "default", "via", self.gateway)
 
     def argv(self, name: str, argv: list[str]) -> list[str]:
         """`argv` run on host `name`."""
@@ -121,6 +123,8 @@ class Hosts:
         for ns in self.netns.values():
             (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
             (NETNS_ETC / ns / "hosts").write_text("\n".join(lines) + "\n")
+            # No DNS server: a name the hosts file does not list fails at once.
+            (NETNS_ETC / ns / "resolv.conf").write_text("nameserver 127.0.0.1\n")
 
     def link(self, name: str, up: bool) -> None:
         """Plugs or unplugs host `name`'s link (its bridge port)."""
