@@ -1,4 +1,4 @@
-"""`afd-ctl serve | status | workers | watch | stop`."""
+"""`afd-ctl serve | status | workers | watch | stop | advise | trace`."""
 
 from __future__ import annotations
 
@@ -160,6 +160,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     client_flags(stop)
     stop.add_argument("--reason", default="", help="recorded in the STOP event")
+    advise = sub.add_parser(
+        "advise",
+        help="bottleneck side and the attention:FFN ratio that balances them",
+        description="From the workers' rolling timing windows: which side is the bottleneck, "
+        "the attention:FFN ratio that balances them (formula and inputs shown) and the "
+        "predicted tokens/s per GPU of a few ratios. Refuses when the window is too short or "
+        "too noisy (exit 3).",
+    )
+    client_flags(advise)
+    advise.add_argument("--json", action="store_true")
+    trace = sub.add_parser(
+        "trace",
+        help="record N steps across every worker as a Chrome/Perfetto trace",
+        description="Ask every reporting worker to record the next N steps and write them as "
+        "trace-event JSON (ui.perfetto.dev, chrome://tracing): one track per worker, clocks "
+        "aligned to the daemon's (method and error in the file's metadata).",
+    )
+    client_flags(trace)
+    trace.add_argument("--steps", type=int, default=10, help="consecutive steps (10)")
+    trace.add_argument("--out", required=True, help="file to write")
+    trace.add_argument("--wait-s", type=float, default=30.0, help="wait for the workers (30)")
     return parser
 
 
@@ -252,6 +273,10 @@ def run_client_command(args: argparse.Namespace) -> int:
                 seen += 1
                 if args.count and seen >= args.count:
                     break
+        elif args.command == "advise":
+            return run_advise(stub, args, metadata)
+        elif args.command == "trace":
+            return run_trace(stub, args, metadata)
         elif args.command == "stop":
             reply = stub.Stop(
                 afd_pb2.StopRequest(reason=args.reason), timeout=args.timeout, metadata=metadata
@@ -273,6 +298,54 @@ def run_client_command(args: argparse.Namespace) -> int:
         return 1
     finally:
         channel.close()
+    return 0
+
+
+def run_advise(
+    stub: afd_pb2_grpc.AFDInspectStub,
+    args: argparse.Namespace,
+    metadata: tuple[tuple[str, str], ...],
+) -> int:
+    from afd_ctl.advice import AdviceRefused, advise, format_advice
+
+    timings = stub.GetTimings(afd_pb2.GetTimingsRequest(), timeout=args.timeout, metadata=metadata)
+    try:
+        advice = advise(timings)
+    except AdviceRefused as exc:
+        if args.json:
+            print(json.dumps({"refused": str(exc)}))
+        print(f"afd-ctl advise: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(advice.to_dict(), indent=2) if args.json else format_advice(advice))
+    return 0
+
+
+def run_trace(
+    stub: afd_pb2_grpc.AFDInspectStub,
+    args: argparse.Namespace,
+    metadata: tuple[tuple[str, str], ...],
+) -> int:
+    from afd_ctl.trace import to_chrome
+
+    result = stub.Trace(
+        afd_pb2.TraceRequest(steps=args.steps, timeout_s=args.wait_s),
+        timeout=args.wait_s + args.timeout,
+        metadata=metadata,
+    )
+    with open(args.out, "w") as f:
+        json.dump(to_chrome(result), f)
+    spans = sum(len(w.spans) for w in result.workers)
+    print(
+        f"wrote {args.out}: steps {result.first_step_id}..{result.first_step_id + result.steps - 1}, "
+        f"{len(result.workers)} worker(s), {spans} spans"
+    )
+    for w in result.workers:
+        print(
+            f"  {w.worker.worker_id}: clock offset {w.offset_s * 1e6:+.0f} us "
+            f"+- {w.offset_error_s * 1e6:.0f} us"
+        )
+    if result.missing:
+        print(f"  no answer from: {', '.join(result.missing)}")
     return 0
 
 
@@ -308,6 +381,19 @@ def format_status(status: afd_pb2.Status) -> str:
         for sub in status.subscribers:
             lines.append(
                 f"{sub.worker_id:<28} {sub.queued:>7} {sub.queue_capacity:>9} {sub.last_step_id:>10}"
+            )
+    if status.loads:
+        lines += [
+            "",
+            f"{'LOAD (ROLLING WINDOW)':<28} {'ROLE':<9} {'STEPS':>6} {'UTIL':>5} {'WAIT':>5} "
+            f"{'COMPUTE MS':>10} {'WAIT MS':>8} {'TOKENS':>7}",
+        ]
+        for load in status.loads:
+            lines.append(
+                f"{load.worker_id:<28} {afd_pb2.Role.Name(load.role).lower():<9} "
+                f"{load.steps:>6} {load.utilisation:>5.0%} {load.waiting_share:>5.0%} "
+                f"{load.compute_ms_per_step:>10.3f} {load.wait_ms_per_step:>8.3f} "
+                f"{load.tokens_per_step:>7.1f}"
             )
     if status.taps:
         lines += [

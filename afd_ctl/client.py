@@ -32,6 +32,7 @@ from afd_ctl.membership_view import MembershipView
 from afd_ctl.publisher import Publisher
 from afd_ctl.routing import Role
 from afd_ctl.session_link import LEAVE_WAIT_S, SessionLink
+from afd_ctl.step_reporter import StepReporter
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.wire import ROLE_TO_PROTO
 
@@ -80,6 +81,9 @@ class ControllerClient:
         self._link = SessionLink(
             stub, metadata, register, self._view, self._handle, liveness_timeout_s, tls
         )
+        # Per-step timings to the daemon (issue 26): optional, used by workers that call
+        # `timings.step(...)`; the daemon asks only those for trace spans.
+        self.timings = StepReporter(self._link.send)
 
     # -- registration --------------------------------------------------------------------
     def connect(self, timeout_s: float = 30.0) -> afd_pb2.Registered:
@@ -143,6 +147,9 @@ class ControllerClient:
                 self._view.on_payload(payload)
             return
         if which == "heartbeat":
+            return
+        if which == "trace_start":
+            self.timings.on_trace_start(message.trace_start)
             return
         if which == "registered":
             # The publish lock first (the order publishing takes them in): no stream can open

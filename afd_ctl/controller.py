@@ -7,6 +7,7 @@ serves. Messages are protobuf objects; the servicer only moves them on and off t
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import secrets
@@ -21,6 +22,8 @@ from afd_ctl.errors import ControlError
 from afd_ctl.logs import clip
 from afd_ctl.mailbox import Mailbox
 from afd_ctl.membership import ATTENTION, FFN, ROLES, Membership, Worker, WorkerSpec
+from afd_ctl.step_window import Histogram, StepWindows, load_of
+from afd_ctl.trace import MAX_TRACE_STEPS, PendingTrace
 from afd_ctl.v1 import afd_pb2
 from afd_ctl.validation import validate_payload
 from afd_ctl.wire import PUBLISH_SECRET_METADATA, ROLE_TO_PROTO, WORKER_ID_METADATA
@@ -64,6 +67,11 @@ class MetricsSnapshot:
     losses: int
     last_step_id: int
     queued: dict[str, int]
+    # Issue 26: per worker id, its role and per-phase histograms of per-step seconds.
+    step_histograms: dict[str, tuple[str, dict[str, Histogram]]] = dataclasses.field(
+        default_factory=dict
+    )
+    loads: list[afd_pb2.WorkerLoad] = dataclasses.field(default_factory=list)
 
 
 class Controller:
@@ -89,6 +97,10 @@ class Controller:
         self.listen_address = config.listen
         self._targets: dict[int, list[Mailbox[afd_pb2.SessionMessage]]] = {}
         self._targets_epoch = -1
+        # Issue 26: each reporting worker's rolling window, and the trace being recorded.
+        self.step_windows = StepWindows()
+        self.trace: PendingTrace | None = None
+        self._trace_ids = 0
 
     # -- health --------------------------------------------------------------------------
     @property
@@ -143,6 +155,7 @@ class Controller:
         session.ended = True
         if self.sessions.get(worker.worker_id) is session:
             del self.sessions[worker.worker_id]
+            self.step_windows.forget(worker.worker_id)
         session.mailbox.close("CANCELLED", reason, discard=True)
         if not self.membership.leave(worker, reason):
             return
@@ -259,6 +272,77 @@ class Controller:
                     f"fell behind: {mailbox.capacity} messages queued and unread "
                     f"(--subscriber-queue; last delivered step {mailbox.last_step_id}); cut off",
                 )
+
+    # -- step timings and traces (issue 26) ----------------------------------------------
+    def record_timings(self, session: Session, report: afd_pb2.StepTimings) -> bool:
+        """A worker's StepTimings; False when refused (too fast, too large; counted)."""
+        if session.ended:
+            return False
+        w = session.worker
+        return self.step_windows.record(w.worker_id, w.role, w.role_rank, report)
+
+    def record_trace(self, session: Session, spans: afd_pb2.TraceSpans, received_at: float) -> None:
+        if self.trace is not None and not session.ended:
+            self.trace.take(session.worker.worker_id, spans, received_at)
+
+    def start_trace(self, steps: int) -> PendingTrace:
+        """Asks every worker that reports timings (only those know TraceStart) to record the
+        next `steps` steps, from a step id far enough ahead that all of them see it whole."""
+        if not 1 <= steps <= MAX_TRACE_STEPS:
+            raise ControlError("INVALID_ARGUMENT", f"steps {steps} is not in 1..{MAX_TRACE_STEPS}")
+        if self.trace is not None and not self.trace.complete:
+            raise ControlError("FAILED_PRECONDITION", "a trace is already being recorded")
+        if not self.membership.complete:
+            raise ControlError(
+                "FAILED_PRECONDITION",
+                "the expected set is incomplete: no steps run to trace (afd-ctl status)",
+            )
+        asked = {
+            worker_id: self.worker_info(session.worker)
+            for worker_id, session in self.sessions.items()
+            if worker_id in self.step_windows.windows
+        }
+        if not asked:
+            raise ControlError(
+                "FAILED_PRECONDITION",
+                "no worker reports step timings, so none can record a trace (workers report "
+                "through ControllerClient.timings; an older worker does not)",
+            )
+        self._trace_ids += 1
+        # Two steps ahead: the payload of the next one may already be on its way.
+        first = self.last_step_id + 2
+        sent_at = time.monotonic()
+        self.trace = PendingTrace(self._trace_ids, first, steps, sent_at, asked)
+        start = afd_pb2.TraceStart(
+            trace_id=self._trace_ids, first_step_id=first, steps=steps, daemon_sent_s=sent_at
+        )
+        for worker_id in asked:
+            self.sessions[worker_id].mailbox.offer(afd_pb2.SessionMessage(trace_start=start))
+        log.info(
+            "trace %d: steps %d..%d on %d worker(s)",
+            self._trace_ids,
+            first,
+            first + steps - 1,
+            len(asked),
+        )
+        return self.trace
+
+    def end_trace(self, trace: PendingTrace) -> None:
+        if self.trace is trace:
+            self.trace = None
+
+    def loads(self) -> list[afd_pb2.WorkerLoad]:
+        return [
+            load_of(window, ROLE_TO_PROTO[window.role])
+            for _, window in sorted(self.step_windows.windows.items())
+        ]
+
+    def timings(self) -> afd_pb2.Timings:
+        out = afd_pb2.Timings(window_reports=self.step_windows.window_reports)
+        for load in self.loads():
+            window = self.step_windows.windows[load.worker_id]
+            out.workers.add(load=load, window=list(window.reports))
+        return out
 
     # -- events --------------------------------------------------------------------------
     def _broadcast(
@@ -383,6 +467,7 @@ class Controller:
             uptime_s=time.monotonic() - self.started_at,
             listen=self.listen_address,
             recent_events=list(self.recent_events),
+            loads=self.loads(),
         )
         for role in ROLES:
             status.roles.add(
@@ -421,6 +506,17 @@ class Controller:
             losses=m.losses,
             last_step_id=self.last_step_id,
             queued={s.worker.worker_id: len(s.mailbox) for s in self.sessions.values()},
+            step_histograms={
+                worker_id: (
+                    w.role,
+                    {
+                        k: dataclasses.replace(h, counts=list(h.counts))
+                        for k, h in w.histograms.items()
+                    },
+                )
+                for worker_id, w in self.step_windows.windows.items()
+            },
+            loads=self.loads(),
         )
 
     def list_workers(self, role: str | None) -> list[afd_pb2.WorkerInfo]:

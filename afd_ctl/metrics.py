@@ -10,11 +10,17 @@ import asyncio
 from collections.abc import Iterator
 
 from prometheus_client import start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from afd_ctl.controller import Controller, MetricsSnapshot
 from afd_ctl.membership import ROLES
+from afd_ctl.step_window import BUCKETS_S
 
 # A scrape waits this long for the event loop; a loop that busy is itself worth an error.
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -67,6 +73,37 @@ class ControllerCollector(Collector):
         for worker_id, count in s.queued.items():
             queued.add_metric([worker_id], count)
         yield queued
+        yield from step_metrics(s)
+
+
+def step_metrics(s: MetricsSnapshot) -> Iterator[Metric]:
+    """Issue 26: per-step compute and wait histograms and each worker's load, from the
+    workers' StepTimings reports (nothing for workers that do not report)."""
+    labels = ["worker_id", "role"]
+    for phase, what in (
+        ("compute", "attention or FFN compute"),
+        ("wait", "exchange wait (attention) or receive wait (FFN)"),
+    ):
+        family = HistogramMetricFamily(
+            f"afd_ctl_step_{phase}_seconds", f"Per-step {what}, as workers report it", labels=labels
+        )
+        for worker_id, (role, histograms) in sorted(s.step_histograms.items()):
+            h = histograms[phase]
+            buckets = [
+                (str(bound), count) for bound, count in zip(BUCKETS_S, h.counts, strict=True)
+            ]
+            buckets.append(("+Inf", h.total))
+            family.add_metric([worker_id, role.lower()], buckets, h.sum_s)
+        yield family
+    for name, field, help_text in (
+        ("afd_ctl_worker_utilisation", "utilisation", "Compute over busy time, rolling window"),
+        ("afd_ctl_worker_waiting_share", "waiting_share", "Waiting over busy time, rolling window"),
+        ("afd_ctl_worker_tokens_per_step", "tokens_per_step", "Tokens per step, rolling window"),
+    ):
+        gauge = GaugeMetricFamily(name, help_text, labels=["worker_id"])
+        for load in s.loads:
+            gauge.add_metric([load.worker_id], getattr(load, field))
+        yield gauge
 
 
 def serve_metrics(controller: Controller, host: str, port: int) -> int:

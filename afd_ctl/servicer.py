@@ -19,6 +19,7 @@ from afd_ctl.logs import RateLimitedLog, clip
 from afd_ctl.mailbox import MailboxClosed
 from afd_ctl.malformed import MalformedRequest
 from afd_ctl.membership import WorkerSpec
+from afd_ctl.trace import DEFAULT_TRACE_TIMEOUT_S
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.watch_limits import WatchLimits, refuse
 from afd_ctl.wire import (
@@ -39,6 +40,7 @@ HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
 # reach the port can send them as fast as they like.
 PUBLISH_REFUSED = RateLimitedLog(log, "publish stream refused")
 REGISTRATION_REFUSED = RateLimitedLog(log, "registration refused")
+TRACE_POLL_S = 0.05
 
 
 def role_name(value: int) -> str:
@@ -74,18 +76,23 @@ class Heard:
     """When a worker's session last said anything, why it left, if it said so, and what did
     not parse, if something did."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_optional: Callable[[afd_pb2.SessionRequest], None] | None = None) -> None:
         self.at = time.monotonic()
         self.left = ""
         self.malformed = ""
+        # Timing reports and trace spans (issue 26) go here.
+        self.on_optional = on_optional
 
     async def follow(self, requests: AsyncIterator[afd_pb2.SessionRequest]) -> None:
         try:
             async for request in requests:
                 self.at = time.monotonic()
-                if request.WhichOneof("message") == "leave":
+                which = request.WhichOneof("message")
+                if which == "leave":
                     # Kept as logs quote client text (it travels in every PEER_LOST event).
                     self.left = clip(request.leave.reason) or "no reason given"
+                elif which in ("timings", "trace") and self.on_optional is not None:
+                    self.on_optional(request)
         except MalformedRequest as error:
             self.malformed = error.message
 
@@ -131,7 +138,15 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
             )
             await abort(context, error)
             return
-        heard = Heard()
+        controller = self.controller
+
+        def on_optional(request: afd_pb2.SessionRequest) -> None:
+            if request.WhichOneof("message") == "timings":
+                controller.record_timings(session, request.timings)
+            else:
+                controller.record_trace(session, request.trace, time.monotonic())
+
+        heard = Heard(on_optional)
         reader = asyncio.get_running_loop().create_task(heard.follow(requests))
         beat_s = liveness_s / 4
         reason = SESSION_CLOSED
@@ -266,3 +281,32 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
     ) -> afd_pb2.StopResponse:
         reason = clip(request.reason) or f"afd-ctl stop from {context.peer()}"
         return afd_pb2.StopResponse(ffn_workers_told=self.request_stop(reason))
+
+    async def GetTimings(  # noqa: N802
+        self, request: afd_pb2.GetTimingsRequest, context: grpc.aio.ServicerContext
+    ) -> afd_pb2.Timings:
+        return self.controller.timings()
+
+    async def Trace(  # noqa: N802
+        self, request: afd_pb2.TraceRequest, context: grpc.aio.ServicerContext
+    ) -> afd_pb2.TraceResult:
+        timeout_s = request.timeout_s if 0 < request.timeout_s <= 600 else DEFAULT_TRACE_TIMEOUT_S
+        try:
+            trace = self.controller.start_trace(request.steps)
+        except ControlError as error:
+            await abort(context, error)
+            raise  # abort raises; this line is for the type checker
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not trace.complete and time.monotonic() < deadline:
+                await asyncio.sleep(TRACE_POLL_S)
+        finally:
+            self.controller.end_trace(trace)
+        if not trace.answers:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no worker sent the spans of steps {trace.first_step_id}.."
+                f"{trace.first_step_id + trace.steps - 1} within {timeout_s:.0f} s: are steps "
+                "running? (afd-ctl status shows the last step id)",
+            )
+        return trace.result()

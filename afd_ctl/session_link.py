@@ -9,6 +9,7 @@ stopped answering on. Messages go to `on_message`; the state they change lives i
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import threading
 import time
@@ -41,6 +42,8 @@ LEAVE_WAIT_S = 1.0
 # bound instead, in grpc's C core, whatever this worker's Python is doing (README "Liveness").
 SILENT_DAEMON_S = 60.0
 UnreachableListener = Callable[[AfdControllerUnreachable], None]
+# Optional messages (timing reports, trace spans) waiting for the stream; more are dropped.
+OUTBOX_SIZE = 8
 
 
 class SessionLink:
@@ -69,6 +72,7 @@ class SessionLink:
         self.liveness_timeout_s = liveness_timeout_s
         self._beat_s = liveness_timeout_s / 4
         self._unreachable_listeners: list[UnreachableListener] = []
+        self._outbox: queue.Queue[afd_pb2.SessionRequest | None] = queue.Queue(OUTBOX_SIZE)
         self._thread: threading.Thread | None = None
         # Guarded by the view's lock:
         self._call: grpc.Call | None = None
@@ -88,6 +92,22 @@ class SessionLink:
     def add_unreachable_listener(self, listener: UnreachableListener) -> None:
         self._unreachable_listeners.append(listener)
 
+    def send(self, request: afd_pb2.SessionRequest) -> bool:
+        """Queues an optional message (StepTimings, TraceSpans) for the session stream; False
+        when OUTBOX_SIZE are already waiting (it is dropped: the step never blocks on it)."""
+        try:
+            self._outbox.put_nowait(request)
+        except queue.Full:
+            return False
+        return True
+
+    def _wake(self, hung_up: threading.Event) -> None:
+        hung_up.set()
+        try:
+            self._outbox.put_nowait(None)  # wakes the request generator
+        except queue.Full:
+            pass  # it has messages to send and looks at hung_up after each
+
     # -- the session thread --------------------------------------------------------------
     def _run(self) -> None:
         view = self._view
@@ -103,6 +123,7 @@ class SessionLink:
                     hung_up,
                     self._beat_s,
                     lambda: self._leave_reason or self._rejoining,
+                    self._outbox,
                 )
                 call = self._stub.Session(requests, metadata=self._metadata)
                 call.add_done_callback(lambda _call, done=ended: done.set())
@@ -119,7 +140,7 @@ class SessionLink:
             except grpc.RpcError as exc:
                 error = exc
             finally:
-                hung_up.set()
+                self._wake(hung_up)
                 watchdog.stop()
             with self._cond:
                 if view.closing or view.stopped is not None:
@@ -192,7 +213,7 @@ class SessionLink:
                 return
             self._rejoining = f"rejoining: {reason}"
         log.warning("leaving afd-ctl to rejoin in a new epoch: %s", reason)
-        hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
+        self._wake(hung_up)  # sends `leave` and half-closes; the daemon then ends the call
         ended.wait(timeout_s)
         call.cancel()
 
@@ -211,7 +232,7 @@ class SessionLink:
             call, hung_up, ended = self._call, self._hung_up, self._ended
         if call is not None and reason and hung_up is not None and ended is not None:
             if not ended.is_set():
-                hung_up.set()  # sends `leave` and half-closes; the daemon then ends the call
+                self._wake(hung_up)  # sends `leave` and half-closes; the daemon ends the call
                 ended.wait(min(timeout_s, LEAVE_WAIT_S))
         if call is not None:
             call.cancel()
@@ -224,20 +245,33 @@ def _session_requests(
     hung_up: threading.Event,
     beat_s: float,
     leaving: Callable[[], str],
+    outbox: queue.Queue[afd_pb2.SessionRequest | None] | None = None,
 ) -> Iterator[afd_pb2.SessionRequest]:
-    """register, heartbeats until hung up, and `leave` (then half-close) once the worker
-    closes with a reason."""
+    """register, heartbeats (and whatever optional message the worker queued) until hung
+    up, and `leave` (then half-close) once the worker closes with a reason."""
     yield afd_pb2.SessionRequest(register=register)
     heartbeat = afd_pb2.SessionRequest(heartbeat=afd_pb2.Heartbeat())
+    outbox = outbox if outbox is not None else queue.Queue()
+    next_beat = time.monotonic() + beat_s
     while True:
-        hung = hung_up.wait(beat_s)
+        item: afd_pb2.SessionRequest | None = None
+        if not hung_up.is_set():
+            try:
+                item = outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                pass
+        hung = hung_up.is_set()
         reason = leaving()
         if reason:
             yield afd_pb2.SessionRequest(leave=afd_pb2.Leave(reason=reason))
             return
         if hung:
             return
-        yield heartbeat
+        if item is not None:
+            yield item
+        if time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + beat_s
+            yield heartbeat
 
 
 class _Watchdog:

@@ -4,6 +4,11 @@ Used by `make demo-sim`, the tests and the control-hop benchmark, and handy for 
 daemon (`python -m afd_ctl.sim_worker --role ffn --controller HOST:PORT`). Payload contents are
 a function of the step id, so the FFN side verifies every payload it receives: nothing lost,
 duplicated, reordered or altered. The last stdout line is a JSON report.
+
+With --model-* flags it also reports per-step timings (issue 26) from a known model: per
+layer, attention takes --model-attention-ms and the FFN c0 + c1 * tokens; each side waits for
+the other's excess. With --model-sleep it sleeps each modelled step, so its trace spans (when
+`afd-ctl trace` asks) lie on the real clock.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import sys
 import time
 
@@ -38,6 +44,53 @@ def make_payload(step_id: int, dp_size: int, stages: int) -> afd_pb2.AFDControlP
     return payloads.make_payload(step_id, counts, is_warmup=step_id <= 2)
 
 
+def modelled(args: argparse.Namespace) -> bool:
+    return bool(args.model_attention_ms or args.model_ffn_c0_ms or args.model_ffn_c1_us)
+
+
+def model_step(
+    client: ControllerClient, args: argparse.Namespace, step_id: int, tokens: int, ffn_tokens: int
+) -> None:
+    """Reports (and with --model-sleep, spends) one step of the timing model."""
+    jitter = 1 + args.model_jitter * (2 * random.random() - 1) if args.model_jitter else 1.0
+    t_a = args.model_attention_ms / 1e3 * (jitter if args.role == "attention" else 1.0)
+    t_f = (args.model_ffn_c0_ms / 1e3 + args.model_ffn_c1_us / 1e6 * ffn_tokens) * (
+        jitter if args.role == "ffn" else 1.0
+    )
+    layers = args.model_layers
+    own, other = (t_a, t_f) if args.role == "attention" else (t_f, t_a)
+    wait = max(0.0, other - own)
+    reporter = client.timings
+    start = time.monotonic()
+    if reporter.tracing(step_id):
+        names = ("attention", "wait") if args.role == "attention" else ("ffn_compute", "return")
+        reporter.span("step", step_id, start, start + layers * (own + wait))
+        for layer in range(layers):
+            t = start + layer * (own + wait)
+            if args.role == "attention":
+                reporter.span(names[0], step_id, t, t + own, layer)
+                reporter.span("send", step_id, t + own, t + own, layer)
+                reporter.span(names[1], step_id, t + own, t + own + wait, layer)
+            else:
+                reporter.span("recv_wait", step_id, t, t + wait, layer)
+                reporter.span(names[0], step_id, t + wait, t + wait + own, layer)
+                reporter.span(names[1], step_id, t + wait + own, t + wait + own, layer)
+    if args.model_sleep:
+        time.sleep(layers * (own + wait))
+    reporter.step(
+        step_id,
+        compute_s=layers * own,
+        wait_s=layers * wait,
+        tokens=tokens if args.role == "attention" else ffn_tokens,
+    )
+
+
+def step_tokens(step_id: int, args: argparse.Namespace) -> tuple[int, int]:
+    """(this attention rank's tokens, all ranks' tokens) of a step, over its stages."""
+    counts = [expected_counts(step_id, s, args.attention_dp_size) for s in range(args.stages)]
+    return sum(c[args.dp_rank % len(c)] for c in counts), sum(sum(c) for c in counts)
+
+
 def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[str, object]:
     view = client.wait_complete(args.timeout)
     report: dict[str, object] = {
@@ -56,6 +109,8 @@ def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[st
         step_id = args.first_step + i
         client.publish(make_payload(step_id, args.attention_dp_size, args.stages))
         report["published"] = i + 1
+        if modelled(args):
+            model_step(client, args, step_id, *step_tokens(step_id, args))
         if period:
             delay = start + (i + 1) * period - time.monotonic()
             if delay > 0:
@@ -106,6 +161,9 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
                 problems.append(f"step {payload.step_id} stage {stage} counts {got}")
         last = payload.step_id
         received += 1
+        if modelled(args):
+            mine, everyone = step_tokens(payload.step_id, args)
+            model_step(client, args, payload.step_id, mine, everyone)
     if args.wait_stop and not stopped:
         try:
             client.next_payload(args.timeout)
@@ -147,15 +205,28 @@ def main(argv: list[str] | None = None) -> int:
         "--hold-s", type=float, default=0.0, help="stay registered this long after the report"
     )
     parser.add_argument("--token", default="")
+    model = parser.add_argument_group("timing model (issue 26; off unless set)")
+    model.add_argument("--model-attention-ms", type=float, default=0.0, help="T_a per layer")
+    model.add_argument("--model-ffn-c0-ms", type=float, default=0.0, help="T_f fixed per layer")
+    model.add_argument("--model-ffn-c1-us", type=float, default=0.0, help="T_f per token per layer")
+    model.add_argument("--model-layers", type=int, default=4)
+    model.add_argument("--model-jitter", type=float, default=0.0, help="relative, uniform")
+    model.add_argument("--model-sleep", action="store_true", help="spend each modelled step")
+    model.add_argument("--timings-interval-s", type=float, default=1.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     role = Role.parse(args.role)
     worker_id = args.worker_id or f"sim-{args.role}-{args.dp_rank}"
     spec = WorkerSpec(worker_id, role, dp_rank=args.dp_rank, dp_size=args.dp_size)
     client = ControllerClient(args.controller, spec, token=args.token)
+    client.timings.layers = args.model_layers
+    client.timings.interval_s = args.timings_interval_s
     try:
         client.connect(args.timeout)
         report = run_attention(client, args) if role is Role.ATTENTION else run_ffn(client, args)
+        if modelled(args):
+            client.timings.flush()
+            report["timing_reports"] = client.timings.sent
     except AfdError as exc:
         print(json.dumps({"role": args.role, "error": f"{type(exc).__name__}: {exc}"}))
         return 1

@@ -219,7 +219,7 @@ class SessionRequest(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., trace: _Optional[_Union[TraceSpans, _Mapping]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s")
+    __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s", "step_tokens")
     FIRST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class StepTimings(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     STEP_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_step_id: int
     last_step_id: int
     steps: int
@@ -244,7 +245,8 @@ class StepTimings(_message.Message):
     layers: int
     step_compute_s: _containers.RepeatedScalarFieldContainer[float]
     step_wait_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, first_step_id: _Optional[int] = ..., last_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., busy_wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., send_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., step_compute_s: _Optional[_Iterable[float]] = ..., step_wait_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    step_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_step_id: _Optional[int] = ..., last_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., busy_wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., send_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., step_compute_s: _Optional[_Iterable[float]] = ..., step_wait_s: _Optional[_Iterable[float]] = ..., step_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TraceStart(_message.Message):
     __slots__ = ("trace_id", "first_step_id", "steps", "daemon_sent_s")

@@ -1,0 +1,195 @@
+"""`afd-ctl trace` (issue 26): one trace across workers, clocks aligned through the daemon.
+
+Clock alignment is NTP's two-way method over each worker's Session stream. The daemon sends
+TraceStart at t0 (its monotonic clock); the worker notes t1 when it arrives and t2 when it
+sends its spans back; the daemon notes t3 on arrival. The worker's clock plus
+
+    offset = ((t0 - t1) + (t3 - t2)) / 2
+
+is the daemon's clock, within +-error = ((t3 - t0) - (t2 - t1)) / 2: half the round trip,
+less the time the worker held the request. The bound holds whatever the two one-way delays
+are (the true offset lies in [t0 - t1, t3 - t2]); drift over a trace of a few seconds is
+far below it. On one host every process shares CLOCK_MONOTONIC and the true offset is 0.
+
+The output is the Chrome trace-event JSON (ui.perfetto.dev, chrome://tracing): one process
+per worker, "X" complete events in microseconds on the daemon's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from afd_ctl.v1 import afd_pb2
+
+MAX_TRACE_STEPS = 1000
+DEFAULT_TRACE_TIMEOUT_S = 30.0
+PHASES = {"B", "E", "X", "i", "I", "M", "C"}
+# Timestamps are rounded to 1 ns; spans that abut may then overlap by that much.
+EPS_US = 0.01
+
+
+def align(t0: float, t1: float, t2: float, t3: float) -> tuple[float, float]:
+    """(offset to add to the worker's clock, bound on its error), seconds."""
+    offset = ((t0 - t1) + (t3 - t2)) / 2
+    error = max(0.0, ((t3 - t0) - (t2 - t1)) / 2)
+    return offset, error
+
+
+@dataclass
+class PendingTrace:
+    """A trace the daemon asked for: who was asked and what came back."""
+
+    trace_id: int
+    first_step_id: int
+    steps: int
+    sent_at: float  # t0, daemon monotonic
+    asked: dict[str, afd_pb2.WorkerInfo]
+    answers: dict[str, afd_pb2.WorkerTrace] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.answers) == len(self.asked)
+
+    def take(self, worker_id: str, spans: afd_pb2.TraceSpans, received_at: float) -> bool:
+        if spans.trace_id != self.trace_id or worker_id not in self.asked:
+            return False
+        offset, error = align(
+            self.sent_at, spans.worker_received_s, spans.worker_sent_s, received_at
+        )
+        answer = afd_pb2.WorkerTrace(offset_s=offset, offset_error_s=error)
+        answer.worker.CopyFrom(self.asked[worker_id])
+        for span in spans.spans:
+            if self.first_step_id <= span.step_id < self.first_step_id + self.steps:
+                answer.spans.add(
+                    name=span.name,
+                    step_id=span.step_id,
+                    start_s=span.start_s + offset,
+                    end_s=span.end_s + offset,
+                    layer=span.layer,
+                )
+        self.answers[worker_id] = answer
+        return True
+
+    def result(self) -> afd_pb2.TraceResult:
+        result = afd_pb2.TraceResult(first_step_id=self.first_step_id, steps=self.steps)
+        for worker_id in sorted(self.asked):
+            if worker_id in self.answers:
+                result.workers.append(self.answers[worker_id])
+            else:
+                result.missing.append(worker_id)
+        return result
+
+
+def to_chrome(result: afd_pb2.TraceResult) -> dict[str, Any]:
+    """Trace-event JSON: process per worker (attention first), spans nested and ordered."""
+    events: list[dict[str, Any]] = []
+    workers = sorted(result.workers, key=lambda w: (w.worker.role, w.worker.role_rank))
+    starts = [s.start_s for w in workers for s in w.spans]
+    origin = min(starts) if starts else 0.0
+    for pid, w in enumerate(workers, start=1):
+        role = afd_pb2.Role.Name(w.worker.role).lower()
+        name = f"{role} {w.worker.role_rank} ({w.worker.worker_id})"
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
+        )
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_sort_index",
+                "pid": pid,
+                "tid": 0,
+                "args": {"sort_index": pid},
+            }
+        )
+        # Outer spans first when two start together, so viewers nest them.
+        spans = sorted(w.spans, key=lambda s: (s.start_s, -(s.end_s - s.start_s)))
+        for s in spans:
+            args: dict[str, Any] = {"step": s.step_id}
+            if s.layer >= 0:
+                args["layer"] = s.layer
+            events.append(
+                {
+                    "ph": "X",
+                    "name": s.name,
+                    "cat": role,
+                    "pid": pid,
+                    "tid": 1,
+                    "ts": round((s.start_s - origin) * 1e6, 3),
+                    "dur": round(max(0.0, s.end_s - s.start_s) * 1e6, 3),
+                    "args": args,
+                }
+            )
+    alignment = {
+        w.worker.worker_id: {"offset_us": w.offset_s * 1e6, "error_us": w.offset_error_s * 1e6}
+        for w in workers
+    }
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "metadata": {
+            "first_step_id": result.first_step_id,
+            "steps": result.steps,
+            "missing_workers": list(result.missing),
+            "clock_alignment": "NTP two-way over each worker's Session stream: offset = "
+            "((t0-t1)+(t3-t2))/2, error <= ((t3-t0)-(t2-t1))/2 (afd_ctl/trace.py)",
+            "alignment": alignment,
+        },
+    }
+
+
+def check_trace_events(doc: Any) -> list[str]:
+    """Problems with `doc` as trace-event JSON (empty: fine): required keys and types, known
+    phase values, and on every (pid, tid) complete events that are ordered by start and
+    nest properly (each one either inside the enclosing one or after it)."""
+    problems: list[str] = []
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        return ["top level must be an object with a traceEvents list"]
+    tracks: dict[tuple[int, int], list[tuple[float, float, str]]] = {}
+    for i, event in enumerate(doc["traceEvents"]):
+        if not isinstance(event, dict):
+            problems.append(f"event {i} is not an object")
+            continue
+        missing = [
+            f"event {i}: {key!r} missing or not {kind.__name__}"
+            for key, kind in (("ph", str), ("name", str), ("pid", int), ("tid", int))
+            if not isinstance(event.get(key), kind)
+        ]
+        if missing:
+            problems += missing
+            continue
+        ph = event.get("ph")
+        if ph not in PHASES:
+            problems.append(f"event {i}: ph {ph!r} is not one of {sorted(PHASES)}")
+        if ph == "M":
+            if not isinstance(event.get("args"), dict):
+                problems.append(f"event {i}: metadata event without args")
+            continue
+        ts = event.get("ts")
+        if not isinstance(ts, (int, float)) or ts < 0:
+            problems.append(f"event {i}: ts missing or negative")
+            continue
+        if ph == "X":
+            dur = event.get("dur")
+            if not isinstance(dur, (int, float)) or dur < 0:
+                problems.append(f"event {i}: X event without a non-negative dur")
+                continue
+            tracks.setdefault((event["pid"], event["tid"]), []).append(
+                (float(ts), float(ts) + float(dur), str(event.get("name")))
+            )
+    for (pid, tid), spans in tracks.items():
+        stack: list[tuple[float, float, str]] = []
+        last_start = -1.0
+        for start, end, name in spans:
+            if start < last_start:
+                problems.append(f"pid {pid} tid {tid}: {name!r} at {start} is out of order")
+            last_start = start
+            while stack and start >= stack[-1][1] - EPS_US:
+                stack.pop()
+            if stack and end > stack[-1][1] + EPS_US:
+                problems.append(
+                    f"pid {pid} tid {tid}: {name!r} [{start}, {end}] overlaps "
+                    f"{stack[-1][2]!r} ending at {stack[-1][1]} without nesting"
+                )
+            stack.append((start, end, name))
+    return problems
