@@ -309,8 +309,14 @@ class Controller:
                 "through ControllerClient.timings; an older worker does not)",
             )
         self._trace_ids += 1
-        # Two steps ahead: the payload of the next one may already be on its way.
+        # Ahead of every worker: two steps past the last relayed payload (the next one may be on
+        # its way), and past each worker's last report by as many steps again as that report
+        # held (reports lag by up to one interval; steps that no payload names, too).
         first = self.last_step_id + 2
+        for worker_id in asked:
+            reports = self.step_windows.windows[worker_id].reports
+            if reports:
+                first = max(first, reports[-1].last_step_id + reports[-1].steps + 2)
         sent_at = time.monotonic()
         self.trace = PendingTrace(self._trace_ids, first, steps, sent_at, asked)
         start = afd_pb2.TraceStart(

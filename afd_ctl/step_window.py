@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from afd_ctl.v1 import afd_pb2
 
 WINDOW_REPORTS = 64
-# At most this many reports a second per worker; faster ones are dropped.
+# At most this many reports a second per worker, in bursts of at most REPORT_BURST (reports
+# sent a second apart can arrive together); more are dropped.
 MAX_REPORTS_PER_S = 20.0
+REPORT_BURST = 10.0
 MAX_STEP_ENTRIES = 256
 # Histogram bucket bounds (seconds) for per-step compute and wait times.
 BUCKETS_S = (
@@ -63,7 +65,9 @@ class WorkerWindow:
         default_factory=lambda: deque(maxlen=WINDOW_REPORTS)
     )
     dropped: int = 0
-    last_at: float = 0.0
+    # Token bucket of the rate bound: reports it may take now, and when it was last filled.
+    allowance: float = REPORT_BURST
+    filled_at: float = 0.0
     histograms: dict[str, Histogram] = field(
         default_factory=lambda: {phase: Histogram() for phase in PHASES}
     )
@@ -131,10 +135,14 @@ class StepWindows:
         if window is None or window.role != role or window.role_rank != role_rank:
             window = WorkerWindow(worker_id, role, role_rank, deque(maxlen=self.window_reports))
             self.windows[worker_id] = window
-        if refusal(report) or now - window.last_at < 1.0 / MAX_REPORTS_PER_S:
+        if window.filled_at:
+            refill = (now - window.filled_at) * MAX_REPORTS_PER_S
+            window.allowance = min(REPORT_BURST, window.allowance + refill)
+        window.filled_at = now
+        if refusal(report) or window.allowance < 1.0:
             window.dropped += 1
             return False
-        window.last_at = now
+        window.allowance -= 1.0
         window.reports.append(report)
         for phase, values in (("compute", report.step_compute_s), ("wait", report.step_wait_s)):
             for value in values:
