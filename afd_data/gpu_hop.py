@@ -46,6 +46,7 @@ from afd_data.gpu_protocol import (
     one_path,
 )
 from afd_data.layout import BufferLayout
+from afd_data.partial_sums import sum_partials
 
 logger = logging.getLogger(__name__)
 
@@ -257,14 +258,11 @@ class GpuHop:
         self._run(ops, stream, inputs)
         cfg = self.config
         target = out.view(rows, -1)
-        for pos in range(self._ffn_positions):
-            got = self._view(
-                self.layout.recv_output[slot][pos].offset, rows, cfg.hidden_size, cfg.dtype
-            )
-            if pos == 0:
-                target.copy_(got)
-            else:
-                target.add_(got)
+        outputs = [
+            self._view(self.layout.recv_output[slot][pos].offset, rows, cfg.hidden_size, cfg.dtype)
+            for pos in range(self._ffn_positions)
+        ]
+        sum_partials(target, outputs)  # float32, rounded once (issue 23)
 
     # -- FFN side ---------------------------------------------------------------------------
     def ffn_layer(self, layer: int, stage: int, slices: Sequence[Any], stream: int,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from afd_ctl.routing import Role
+from afd_data.partial_sums import sum_partials
 
 if TYPE_CHECKING:
     from vllm_ext.gpu_exchange import GpuPath
@@ -280,9 +281,8 @@ class AttentionExchange(_Exchange):
         self.wait_s += t2 - t1
         self.exchanges += 1
         n = like.shape[0]
-        out = _tensor(outputs[0], self.dtype)[:n].clone()
-        for extra in outputs[1:]:
-            out.add_(_tensor(extra, self.dtype)[:n])
+        parts = [_tensor(o, self.dtype)[:n] for o in outputs]
+        out = sum_partials(torch.empty_like(parts[0]), parts)  # float32, rounded once (issue 23)
         sent = self._sent.pop(stage, None)
         if self.metrics is not None and sent is not None:
             t0, sent_bytes, row_bytes = sent

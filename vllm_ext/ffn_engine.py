@@ -52,6 +52,11 @@ class FfnEngine:
         self.num_layers: int = config.num_hidden_layers
         self.hidden_size: int = config.hidden_size
         self.dtype: torch.dtype = vllm_config.model_config.dtype
+        fault = os.environ.get("AFD_TEST_FAULT")
+        if fault:  # a test-only seam, off by default: vllm_ext/testing/faults.py
+            from vllm_ext.testing import faults
+
+            self.forward_layer = faults.with_fault(self.forward_layer, fault)  # type: ignore[method-assign]
 
     def finalize(self, shard: int, shards: int) -> None:
         if self.ready:
