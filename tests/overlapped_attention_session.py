@@ -73,14 +73,14 @@ class Turns:
 
 
 def one_stage(session, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    from vllm_ext.attention_session import StepFlags
+    from vllm_ext.attention_steps import StepFlags
 
     rows = inputs[0].shape[0]
-    session.open_step(rows, None, StepFlags())
-    session.check_forward(rows)
-    outputs = [session.exchange(layer, x, None) for layer, x in enumerate(inputs)]
-    session.end_step()
-    session.raise_stage_failure()
+    session.steps.open_step(rows, None, StepFlags())
+    session.steps.check_forward(rows)
+    outputs = [session.steps.exchange(layer, x, None) for layer, x in enumerate(inputs)]
+    session.steps.end_step()
+    session.steps.raise_stage_failure()
     return outputs
 
 
@@ -89,23 +89,23 @@ def two_stages(
 ) -> tuple[list[torch.Tensor], list[tuple[int, str]]]:
     """Both micro-batches through the session; `oversize_layer`: micro-batch 1 sends more
     rows than the step announced at that layer (the data plane refuses them)."""
-    from vllm_ext.attention_session import StepFlags
+    from vllm_ext.attention_steps import StepFlags
 
     rows = inputs[0].shape[0]
     parts = [[x[:split] for x in inputs], [x[split:] for x in inputs]]
     turns = Turns()
-    session.micro_batch = turns.current
-    session.open_step(rows, None, StepFlags(), stage_tokens=[split, rows - split])
+    session.steps.micro_batch = turns.current
+    session.steps.open_step(rows, None, StepFlags(), stage_tokens=[split, rows - split])
     outputs: list[list[torch.Tensor]] = [[], []]
 
     def forward(stage: int) -> Callable[[], None]:
         def body() -> None:
-            session.check_forward(len(parts[stage][0]))
+            session.steps.check_forward(len(parts[stage][0]))
             for layer, x in enumerate(parts[stage]):
                 if stage == 1 and layer == oversize_layer:
                     x = torch.cat([x, x])
-                outputs[stage].append(session.exchange(layer, x, None))
-            session.end_step()
+                outputs[stage].append(session.steps.exchange(layer, x, None))
+            session.steps.end_step()
 
         return body
 
@@ -118,11 +118,11 @@ def two_stages(
     if errors:
         raise errors[0]
     try:
-        session.raise_stage_failure()
+        session.steps.raise_stage_failure()
     finally:
-        from vllm_ext.attention_session import _micro_batch
+        from vllm_ext.attention_steps import _micro_batch
 
-        session.micro_batch = _micro_batch
+        session.steps.micro_batch = _micro_batch
     return [torch.cat(pair) for pair in zip(*outputs, strict=True)], turns.log
 
 

@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from vllm_ext import compat, hooks, model_split
-from vllm_ext.attention_session import AttentionSession, StepFlags
+from vllm_ext.attention_session import AttentionSession
+from vllm_ext.attention_steps import StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
 from vllm_ext.step_failures import AfdStepFailed
@@ -97,7 +98,7 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
         if not flags.is_graph_capturing and graph_mode != "NONE":
             flags = flags.replaying()
         assert self._afd_session is not None
-        self._afd_session.open_step(
+        self._afd_session.steps.open_step(
             num_tokens, across_dp, flags, stage_tokens, full_graph=graph_mode == "FULL"
         )
         return result
@@ -106,19 +107,19 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
         """After vLLM's model call, on the runner's thread: a failure inside a micro-batch's
         thread (dual-batch overlap) fails the step here, before its outputs are sampled."""
         assert self._afd_session is not None
-        self._afd_session.raise_stage_failure()
-        self._afd_session.finish_forward()  # a replayed FULL graph ran no forward hooks
+        self._afd_session.steps.raise_stage_failure()
+        self._afd_session.steps.finish_forward()  # a replayed FULL graph ran no forward hooks
 
     def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         assert self._afd_session is not None
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
         if positions is None:
             raise RuntimeError("afd: model forward without positions; cannot check the step")
-        self._afd_session.check_forward(int(positions.shape[-1]))
+        self._afd_session.steps.check_forward(int(positions.shape[-1]))
 
     def _afd_end_step(self, module: Any, args: Any, output: Any) -> None:
         assert self._afd_session is not None
-        self._afd_session.end_step()
+        self._afd_session.steps.end_step()
 
     @contextlib.contextmanager
     def afd_dummy_run(self, is_profile: bool, is_graph_capturing: bool) -> Iterator[None]:
@@ -131,7 +132,7 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
         try:
             yield
             if self._afd_session is not None:
-                self._afd_session.finish_forward()  # a replayed FULL graph ran no hooks
+                self._afd_session.steps.finish_forward()  # a replayed FULL graph ran no hooks
         finally:
             self._afd_flags = None
 

@@ -6,24 +6,17 @@ attention peer's rows, runs the layer's MLP/MoE over their concatenation and wri
 its slice back. It exits 0 on `stop`; any error is logged at once and ends the session, so the
 daemon marks the worker lost and the attention side fails fast instead of hanging.
 
-Also runnable as `python -m vllm_ext.ffn_server MODEL --afd-controller ... [vLLM flags]`.
+Entry point: vllm_ext.ffn_cli (`python -m vllm_ext.ffn_cli MODEL --afd-controller ... [vLLM flags]`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
-import statistics
-import sys
 import threading
 import time
-from collections import deque
 from typing import Any
-
-import torch
 
 from afd_ctl import routing
 from afd_ctl.errors import (
@@ -33,13 +26,11 @@ from afd_ctl.errors import (
     AfdStopped,
     AfdTimeout,
 )
-from afd_ctl.payloads import stage_counts
 from afd_ctl.routing import Role
-from vllm_ext.config import AfdConfig, from_vllm_config
+from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
-from vllm_ext.exchange import FfnExchange, StepShape
-from vllm_ext.ffn_graphs import CAPTURE, EAGER, FfnGraphRunner, graph_key
-from vllm_ext.ffn_step_graphs import FfnStepGraphs
+from vllm_ext.exchange import FfnExchange
+from vllm_ext.ffn_steps import FfnSteps
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
 from vllm_ext.peer_link import PeerLink, expected_counts
@@ -52,7 +43,6 @@ POLL_S = 0.5
 IDLE_POLL_S = 0.05
 # Waiting for peers: log this often.
 WAIT_LOG_S = 30.0
-STAT_WINDOW = 1000
 
 
 class FfnWorker:
@@ -67,20 +57,12 @@ class FfnWorker:
         self.engine = FfnEngine(vllm_config, finalize=False)
         if afd.gate == "attention":
             self.engine.stack.use_given_router_logits()
-        # CUDA graphs per the payload's capture/replay flags, on GPU unless enforce_eager.
-        self.graphs = FfnGraphRunner(
-            self.engine.forward_layer,
-            enabled=not vllm_config.model_config.enforce_eager,
+        # What each payload runs, and the counts (vllm_ext.ffn_steps).
+        self.step_runner = FfnSteps(
+            self.engine,
+            graphs=not vllm_config.model_config.enforce_eager,
+            worker_id=self.worker_id,
         )
-        # The GPU-driven path's graphs: a whole step each (vllm_ext.ffn_step_graphs).
-        self.step_graphs = FfnStepGraphs(enabled=not vllm_config.model_config.enforce_eager)
-        self.steps = 0
-        self.two_stage_steps = 0  # steps the attention side ran as two micro-batches
-        # Seconds spent waiting for attention rows, computing, and writing back.
-        self.recv_s = self.compute_s = self.send_s = 0.0
-        # The same split for each of the last STAT_WINDOW steps (medians: a typical step,
-        # which a long profile or prefill step does not skew).
-        self._recent: deque[tuple[float, float, float]] = deque(maxlen=STAT_WINDOW)
         self._stop = threading.Event()
         # Told to afd-ctl when this server leaves (its peers' PEER_LOST says "left: ...").
         self._leave_reason = "ffn server exiting"
@@ -135,9 +117,9 @@ class FfnWorker:
         )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
         if afd.profile_dir:
-            from vllm_ext.attention_session import _StepProfiler
+            from vllm_ext.step_profiler import StepProfiler
 
-            self._profiler = _StepProfiler(afd, Role.FFN.label)
+            self._profiler = StepProfiler(afd, Role.FFN.label)
         try:
             registered = self._link.register(timeout_s=afd.connect_timeout_s)
             log.info(
@@ -300,22 +282,7 @@ class FfnWorker:
         return None
 
     def stats(self) -> dict[str, float]:
-        n = max(1, self.steps)
-        stats = {
-            "steps": self.steps,
-            "two_stage_steps": self.two_stage_steps,
-            "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
-            "compute_ms_per_step": 1e3 * self.compute_s / n,
-            "send_ms_per_step": 1e3 * self.send_s / n,
-            **self.graphs.stats(),
-            **self.step_graphs.stats(),
-        }
-        if self.step_graphs.captures:  # the GPU-driven path keys whole steps
-            stats["graph_keys"] = len(self.step_graphs.keys_in_capture_steps)
-        if self._recent:
-            for i, name in enumerate(("recv_wait", "compute", "send")):
-                stats[f"{name}_ms_median"] = 1e3 * statistics.median(r[i] for r in self._recent)
-        return stats
+        return self.step_runner.stats()
 
     def close(self) -> None:
         log.info("afd ffn %s: stats %s", self.worker_id, json.dumps(self.stats()))
@@ -333,7 +300,7 @@ class FfnWorker:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
         assert self._link is not None
-        self.step_graphs.reset()  # they hold the previous peers' mapped addresses
+        self.step_runner.step_graphs.reset()  # they hold the previous peers' mapped addresses
         self._link.connect(view)
         self._metrics.connected(
             view.epoch,
@@ -349,93 +316,13 @@ class FfnWorker:
             view.epoch,
         )
 
-    @torch.inference_mode()
     def run_step(self, payload: Any) -> None:
-        """All layers of one step: per layer and stage, the peers' rows in, their slices out."""
         assert self._exchange is not None
-        stages = stage_counts(payload)
-        shape = StepShape(
-            step_id=payload.step_id,
-            stages=stages,
-            epoch=payload.epoch,
-            warmup=payload.is_warmup or payload.is_profile or payload.is_graph_capturing,
-        )
-        exchange = self._exchange
-        exchange.begin_step(shape)
-        self.graphs.begin_step(payload)
-        if exchange.path == "gpu":
-            self._enqueue_gpu_step(payload, sorted(stages))
-            return
-        recv_s = compute_s = send_s = 0.0
-        with self.engine.step_scope():
-            for layer in range(self.engine.num_layers):
-                for stage in sorted(stages):
-                    t0 = time.perf_counter()
-                    x, router = exchange.recv(layer, stage)
-                    t1 = time.perf_counter()
-                    out = self.graphs.run(layer, stage, x, router)
-                    t2 = time.perf_counter()
-                    exchange.send(layer, stage, out)
-                    recv_s += t1 - t0
-                    compute_s += t2 - t1
-                    send_s += time.perf_counter() - t2
-        exchange.end_step()
-        self.recv_s += recv_s
-        self.compute_s += compute_s
-        self.send_s += send_s
-        self._recent.append((recv_s, compute_s, send_s))
-        self._metrics.step(compute_s, recv_s, self.graphs.mode)
-        self.steps += 1
-        self.two_stage_steps += len(stages) > 1
-        if self._profiler is not None:
-            self._profiler.step(payload.step_id)
-        if self.steps == 1 or self.steps % 1000 == 0:
-            log.info(
-                "afd ffn %s: %d steps served (last %d)", self.worker_id, self.steps, payload.step_id
-            )
+        self.step_runner.run(payload, self._exchange, self._metrics, self._profiler)
 
-    def _enqueue_gpu_step(self, payload: Any, stages: list[int]) -> None:
-        """The GPU-driven path: every layer of the step goes onto the stream at once (wait for
-        the rows, compute, answer: afd_data.gpu_hop), and the host moves on to the next
-        payload; `GpuPath.check` notices a step that overruns its bound. The host's time here
-        is enqueueing, counted as compute."""
-        assert self._exchange is not None and self._exchange.gpu is not None
-        gpu, plan = self._exchange.gpu, self._exchange.plan
-        layers = [(layer, stage) for layer in range(self.engine.num_layers) for stage in stages]
-        forward = self.engine.forward_layer
-
-        def run(layer: int, x: Any, router: Any) -> Any:
-            return forward(layer, x) if router is None else forward(layer, x, router)
-
-        def enqueue() -> None:
-            for layer, stage in layers:
-                gpu.run_layer(layer, stage, plan, lambda x, r, layer=layer: run(layer, x, r))
-
-        def warm_up() -> None:  # each layer's compute once, outside the graph
-            for layer, stage in layers:
-                run(layer, *gpu.hop.ffn_inputs(layer, stage, plan.slices[stage]))
-
-        t0 = time.perf_counter()
-        with self.engine.step_scope():
-            if self.graphs.mode != EAGER and self.step_graphs.enabled:
-                self.step_graphs.run(graph_key(payload), self.graphs.mode == CAPTURE, warm_up,
-                                     enqueue)  # fmt: skip
-            else:
-                enqueue()
-        gpu.step_enqueued(payload.step_id, self._exchange.step_bound_s)
-        enqueue_s = time.perf_counter() - t0
-        self.compute_s += enqueue_s
-        self._recent.append((0.0, enqueue_s, 0.0))
-        self._metrics.step(enqueue_s, 0.0, self.graphs.mode)
-        self.steps += 1
-        self.two_stage_steps += len(stages) > 1
-        if self.steps == 1 or self.steps % 1000 == 0:
-            log.info(
-                "afd ffn %s: %d steps served (last %d, GPU-driven)",
-                self.worker_id,
-                self.steps,
-                payload.step_id,
-            )
+    @property
+    def steps(self) -> int:
+        return self.step_runner.steps
 
 
 def expert_shard(ffn_rank: int, num_attention: int, num_ffn: int) -> tuple[int, int]:
@@ -443,48 +330,3 @@ def expert_shard(ffn_rank: int, num_attention: int, num_ffn: int) -> tuple[int, 
     a % k == f % k with k = min(M, N); the FFN ranks of one group split the experts."""
     group = routing.ffn_group(ffn_rank, num_attention, num_ffn)
     return group.index(ffn_rank), len(group)
-
-
-def serve_ffn(args: argparse.Namespace) -> None:
-    """`vllm serve --afd-role ffn`: build the config the way `vllm serve` would, then run."""
-    from vllm_ext import compat
-
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    seams = compat.seams()
-    _, async_engine_args = seams.engine_args_classes()
-    engine_args = async_engine_args.from_cli_args(args)
-    # As `vllm serve` creates it for the attention role: the same defaults on both sides.
-    vllm_config = engine_args.create_engine_config(usage_context=seams.serve_usage_context())
-    afd = from_vllm_config(vllm_config)
-    if afd is None or afd.role is not Role.FFN:
-        raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")
-    sys.exit(run_worker(vllm_config, afd))
-
-
-def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
-    worker = FfnWorker(vllm_config, afd)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
-    return worker.run()
-
-
-def main(argv: list[str] | None = None) -> None:
-    import vllm_ext
-    from vllm_ext import compat
-
-    vllm_ext.register()
-    seams = compat.seams()
-    _, async_engine_args = seams.engine_args_classes()
-    parser = seams.flexible_argument_parser()(
-        description="AFD FFN worker (same flags as vllm serve)"
-    )
-    parser.add_argument("model")
-    parser = async_engine_args.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    if args.afd_role is None:
-        args.afd_role = "ffn"
-    serve_ffn(args)
-
-
-if __name__ == "__main__":
-    main()

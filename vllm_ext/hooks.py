@@ -278,7 +278,7 @@ def serve_cmd(args: argparse.Namespace, vllm_cmd: Any) -> None:
         if merged is not None:
             args.additional_config = merged
         return vllm_cmd(args)
-    from vllm_ext.ffn_server import serve_ffn
+    from vllm_ext.ffn_cli import serve_ffn
 
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag

@@ -16,9 +16,14 @@ at once; `/health` answers 503 meanwhile (vllm_ext.health).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from afd_ctl.errors import AfdError
+from afd_data.errors import AfdBadInput, AfdDataError
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +155,31 @@ def skip_failed_dummy_batch(execute_dummy_batch: Any) -> Any:
             log.warning("afd: dummy batch skipped: %s", _first_line(exc))
 
     return wrapped
+
+
+@contextlib.contextmanager
+def failing_step(
+    step_id: int,
+    layer: int | None = None,
+    *,
+    recoverable: bool = True,
+    on_failure: Callable[[BaseException], None] | None = None,
+) -> Iterator[None]:
+    """AFD errors of a step become AfdStepFailed, which fails the step's requests only.
+
+    Not `recoverable` under attention TP > 1: each TP rank would decide alone, one could leave
+    the forward while the others wait in its all-reduce, so the error ends the engine."""
+    try:
+        yield
+    except AfdBadInput as exc:  # a setting or an extension bug: every step would fail alike
+        raise RuntimeError(f"afd: step {step_id}: {exc}") from exc
+    except (AfdError, AfdDataError) as exc:
+        if on_failure is not None:
+            on_failure(exc)
+        where = f"step {step_id}" + (f", layer {layer}" if layer is not None else "")
+        if not recoverable:
+            raise RuntimeError(
+                f"afd: {where}: {exc} (attention TP > 1: its TP ranks cannot fail a step "
+                "together yet, so this ends the server)"
+            ) from exc
+        raise AfdStepFailed(f"{where}: {exc}") from exc

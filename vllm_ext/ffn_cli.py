@@ -1,0 +1,63 @@
+"""`vllm serve MODEL --afd-role ffn --afd-controller HOST:PORT`: the FFN role's entry point.
+
+It builds the engine config the way `vllm serve` would (the same defaults on both roles) and runs
+one FFN worker (vllm_ext.ffn_server) until it stops. Also runnable as
+`python -m vllm_ext.ffn_cli MODEL --afd-controller ... [vLLM flags]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any
+
+from afd_ctl.routing import Role
+from vllm_ext.config import AfdConfig, from_vllm_config
+from vllm_ext.ffn_server import FfnWorker
+
+
+def serve_ffn(args: argparse.Namespace) -> None:
+    """`vllm serve --afd-role ffn`: build the config the way `vllm serve` would, then run."""
+    from vllm_ext import compat
+
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    seams = compat.seams()
+    _, async_engine_args = seams.engine_args_classes()
+    engine_args = async_engine_args.from_cli_args(args)
+    # As `vllm serve` creates it for the attention role: the same defaults on both sides.
+    vllm_config = engine_args.create_engine_config(usage_context=seams.serve_usage_context())
+    afd = from_vllm_config(vllm_config)
+    if afd is None or afd.role is not Role.FFN:
+        raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")
+    sys.exit(run_worker(vllm_config, afd))
+
+
+def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
+    worker = FfnWorker(vllm_config, afd)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
+    return worker.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import vllm_ext
+    from vllm_ext import compat
+
+    vllm_ext.register()
+    seams = compat.seams()
+    _, async_engine_args = seams.engine_args_classes()
+    parser = seams.flexible_argument_parser()(
+        description="AFD FFN worker (same flags as vllm serve)"
+    )
+    parser.add_argument("model")
+    parser = async_engine_args.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    if args.afd_role is None:
+        args.afd_role = "ffn"
+    serve_ffn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""One FFN worker's steps: what it runs for each AFDControlPayload, and its counts.
+
+Host-driven path (NIXL): per layer and stage, the attention peers' rows in (a wait on the
+host), the layer's MLP/MoE (eager, or a per-layer CUDA graph as the payload's flags say:
+vllm_ext.ffn_graphs), each peer its slice back. GPU-driven path (vllm_ext.gpu_exchange): every
+layer is stream work, enqueued at once or launched as one step graph (vllm_ext.ffn_step_graphs),
+and the host goes on to the next payload.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from afd_ctl.payloads import stage_counts
+from vllm_ext.exchange import FfnExchange, StepShape
+from vllm_ext.ffn_graphs import CAPTURE, EAGER, FfnGraphRunner, graph_key
+from vllm_ext.ffn_step_graphs import FfnStepGraphs
+from vllm_ext.metrics import FfnMetrics
+
+log = logging.getLogger("vllm_ext.ffn_server")
+
+STAT_WINDOW = 1000
+
+
+class FfnSteps:
+    def __init__(self, engine: Any, *, graphs: bool, worker_id: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        # CUDA graphs per the payload's capture/replay flags, on GPU unless enforce_eager.
+        self.graphs = FfnGraphRunner(engine.forward_layer, enabled=graphs)
+        # The GPU-driven path's graphs: a whole step each (vllm_ext.ffn_step_graphs).
+        self.step_graphs = FfnStepGraphs(enabled=graphs)
+        self.steps = 0
+        self.two_stage_steps = 0  # steps the attention side ran as two micro-batches
+        # Seconds spent waiting for attention rows, computing, and writing back.
+        self.recv_s = self.compute_s = self.send_s = 0.0
+        # The same split for each of the last STAT_WINDOW steps (medians: a typical step,
+        # which a long profile or prefill step does not skew).
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=STAT_WINDOW)
+
+    def stats(self) -> dict[str, float]:
+        n = max(1, self.steps)
+        stats = {
+            "steps": self.steps,
+            "two_stage_steps": self.two_stage_steps,
+            "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
+            "compute_ms_per_step": 1e3 * self.compute_s / n,
+            "send_ms_per_step": 1e3 * self.send_s / n,
+            **self.graphs.stats(),
+            **self.step_graphs.stats(),
+        }
+        if self.step_graphs.captures:  # the GPU-driven path keys whole steps
+            stats["graph_keys"] = len(self.step_graphs.keys_in_capture_steps)
+        if self._recent:
+            for i, name in enumerate(("recv_wait", "compute", "send")):
+                stats[f"{name}_ms_median"] = 1e3 * statistics.median(r[i] for r in self._recent)
+        return stats
+
+    @torch.inference_mode()
+    def run(self, payload: Any, exchange: FfnExchange, metrics: FfnMetrics, profiler: Any) -> None:
+        """All layers of one step: per layer and stage, the peers' rows in, their slices out.
+        On the GPU-driven path the whole step goes onto the stream at once (enqueue_gpu)."""
+        stages = stage_counts(payload)
+        shape = StepShape(
+            step_id=payload.step_id,
+            stages=stages,
+            epoch=payload.epoch,
+            warmup=payload.is_warmup or payload.is_profile or payload.is_graph_capturing,
+        )
+        exchange = exchange
+        exchange.begin_step(shape)
+        self.graphs.begin_step(payload)
+        if exchange.path == "gpu":
+            self._enqueue_gpu(payload, sorted(stages), exchange, metrics)
+            return
+        recv_s = compute_s = send_s = 0.0
+        with self.engine.step_scope():
+            for layer in range(self.engine.num_layers):
+                for stage in sorted(stages):
+                    t0 = time.perf_counter()
+                    x, router = exchange.recv(layer, stage)
+                    t1 = time.perf_counter()
+                    out = self.graphs.run(layer, stage, x, router)
+                    t2 = time.perf_counter()
+                    exchange.send(layer, stage, out)
+                    recv_s += t1 - t0
+                    compute_s += t2 - t1
+                    send_s += time.perf_counter() - t2
+        exchange.end_step()
+        self.recv_s += recv_s
+        self.compute_s += compute_s
+        self.send_s += send_s
+        self._recent.append((recv_s, compute_s, send_s))
+        metrics.step(compute_s, recv_s, self.graphs.mode)
+        self.steps += 1
+        self.two_stage_steps += len(stages) > 1
+        if profiler is not None:
+            profiler.step(payload.step_id)
+        if self.steps == 1 or self.steps % 1000 == 0:
+            log.info(
+                "afd ffn %s: %d steps served (last %d)", self.worker_id, self.steps, payload.step_id
+            )
+
+    def _enqueue_gpu(
+        self, payload: Any, stages: list[int], exchange: FfnExchange, metrics: FfnMetrics
+    ) -> None:
+        """The GPU-driven path: every layer of the step goes onto the stream at once (wait for
+        the rows, compute, answer: afd_data.gpu_hop), and the host moves on to the next
+        payload; `GpuPath.check` notices a step that overruns its bound. The host's time here
+        is enqueueing, counted as compute."""
+        assert exchange.gpu is not None
+        gpu, plan = exchange.gpu, exchange.plan
+        layers = [(layer, stage) for layer in range(self.engine.num_layers) for stage in stages]
+        forward = self.engine.forward_layer
+
+        def run(layer: int, x: Any, router: Any) -> Any:
+            return forward(layer, x) if router is None else forward(layer, x, router)
+
+        def enqueue() -> None:
+            for layer, stage in layers:
+                gpu.run_layer(layer, stage, plan, lambda x, r, layer=layer: run(layer, x, r))
+
+        def warm_up() -> None:  # each layer's compute once, outside the graph
+            for layer, stage in layers:
+                run(layer, *gpu.hop.ffn_inputs(layer, stage, plan.slices[stage]))
+
+        t0 = time.perf_counter()
+        with self.engine.step_scope():
+            if self.graphs.mode != EAGER and self.step_graphs.enabled:
+                self.step_graphs.run(graph_key(payload), self.graphs.mode == CAPTURE, warm_up,
+                                     enqueue)  # fmt: skip
+            else:
+                enqueue()
+        gpu.step_enqueued(payload.step_id, exchange.step_bound_s)
+        enqueue_s = time.perf_counter() - t0
+        self.compute_s += enqueue_s
+        self._recent.append((0.0, enqueue_s, 0.0))
+        metrics.step(enqueue_s, 0.0, self.graphs.mode)
+        self.steps += 1
+        self.two_stage_steps += len(stages) > 1
+        if self.steps == 1 or self.steps % 1000 == 0:
+            log.info(
+                "afd ffn %s: %d steps served (last %d, GPU-driven)",
+                self.worker_id,
+                self.steps,
+                payload.step_id,
+            )
