@@ -82,6 +82,8 @@ class PeerLink:
             spec = dataclasses.replace(spec, model=model_fingerprint(vllm_config))
         self.exchange = exchange
         self.client: ControllerClient = access.client(spec, exchange.blob())
+        # Per-step timings to afd-ctl (issue 26): `afd-ctl status`, `advise`, `trace`.
+        exchange.reporter = self.client.timings
         follow_losses(self.client, exchange.transport)
         self.loss_watch: StuckLossWatch = StuckLossWatch(self.client, exchange.transport, who)
 

@@ -1,0 +1,125 @@
+"""Issue 26 on the vLLM extension's data plane: the exchanges report per-step timings and,
+when asked, trace spans, through a real daemon and real NIXL transports (host DRAM).
+
+No `vllm serve`: the two exchanges run in this process (the FFN side in a thread that doubles
+the rows, standing in for the FFN) so that the figures the daemon shows can be compared with
+the exchanges' own counters, and an FFN that takes a known time per layer can be seen.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.procs import child_env
+
+pytestmark = pytest.mark.line_independent  # the data plane and afd-ctl, not a vLLM seam
+
+LAYERS, ROWS, HIDDEN, FFN_S = 3, 4, 16, 0.002
+
+
+def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
+    start_daemon, tmp_path: Path
+):
+    import torch
+
+    from afd_ctl.client import ControllerClient, WorkerSpec
+    from afd_ctl.trace import check_trace_events
+    from vllm_ext.exchange import AttentionExchange, FfnExchange, StepShape
+
+    daemon = start_daemon()
+    sizes = dict(num_attention=1, num_ffn=1, hidden_size=HIDDEN, max_tokens=8, timeout_s=10.0)
+    common = dict(rank=0, dtype=torch.float32, router=(0, "float32"), **sizes)
+    attn_ex = AttentionExchange(name="attn", **common)
+    ffn_ex = FfnExchange(name="ffn", **common)
+    attn = ControllerClient(
+        daemon.address, WorkerSpec("attn-0", "ATTENTION"), data_plane_blob=attn_ex.blob()
+    )
+    ffn = ControllerClient(
+        daemon.address, WorkerSpec("ffn-0", "FFN"), data_plane_blob=ffn_ex.blob()
+    )
+    for client, ex in ((attn, attn_ex), (ffn, ffn_ex)):
+        client.timings.interval_s = 0.1
+        client.timings.layers = LAYERS
+        ex.reporter = client.timings
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    try:
+        attn.connect(10)
+        ffn.connect(10)
+        for client, ex in ((attn, attn_ex), (ffn, ffn_ex)):
+            ex.connect(client.wait_complete(10))
+        epoch = attn.view.epoch
+
+        def serve() -> None:
+            try:
+                step = 0
+                while not stop.is_set():
+                    step += 1
+                    ffn_ex.begin_step(StepShape(step, {0: [ROWS]}, epoch))
+                    for layer in range(LAYERS):
+                        x, _ = ffn_ex.recv(layer, 0)
+                        time.sleep(FFN_S)  # the FFN's compute
+                        ffn_ex.send(layer, 0, x * 2)
+                    ffn_ex.end_step()
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                if not stop.is_set():
+                    errors.append(exc)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        trace_out = tmp_path / "trace.json"
+        tracer: subprocess.Popen[str] | None = None
+        hidden = torch.ones(ROWS, HIDDEN)
+        for step in range(1, 301):
+            attn_ex.begin_step(StepShape(step, {0: [ROWS]}, epoch))
+            for layer in range(LAYERS):
+                out = attn_ex.exchange(layer, 0, hidden)
+                assert torch.equal(out, hidden * 2)
+            attn_ex.end_step()
+            if step == 100:  # the windows have reports by now: both workers are asked
+                tracer = subprocess.Popen(
+                    [sys.executable, "-m", "afd_ctl.cli", "trace", "--controller",
+                     daemon.address, "--steps", "4", "--out", str(trace_out)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                )  # fmt: skip
+            time.sleep(0.001)
+        attn.timings.flush()
+        assert not errors, errors
+        assert tracer is not None
+        out, err = tracer.communicate(timeout=60)
+        assert tracer.returncode == 0, err
+        time.sleep(0.3)  # the last reports in flight
+        status = subprocess.run(
+            [sys.executable, "-m", "afd_ctl.cli", "status", "--json", "--controller",
+             daemon.address],
+            capture_output=True, text=True, timeout=30, env=child_env(),
+        )  # fmt: skip
+        loads = {x["worker_id"]: x for x in json.loads(status.stdout)["loads"]}
+        a, f = loads["attn-0"], loads["ffn-0"]
+        # The attention side: every step seen, its rows, its wait matching its own counter.
+        # (the last flush may come within 50 ms of the report before: dropped, the rate bound)
+        assert 280 <= int(a["steps"]) <= 300
+        assert a["tokens_per_step"] == ROWS
+        assert a["bytes_per_step"] == 2 * LAYERS * ROWS * HIDDEN * 4
+        assert a["wait_ms_per_step"] == pytest.approx(1e3 * attn_ex.wait_s / 300, rel=0.05)
+        # It waits at least the FFN's compute per layer; the FFN is busy at least that long.
+        assert a["wait_ms_per_step"] >= 1e3 * LAYERS * FFN_S * 0.9
+        assert f["compute_ms_per_step"] >= 1e3 * LAYERS * FFN_S * 0.9
+        assert 0 < f["utilisation"] <= 1 and 0 <= f["waiting_share"] <= 1
+        doc = json.loads(trace_out.read_text())
+        assert check_trace_events(doc) == []
+        names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+        assert {"step", "attention", "send", "wait", "recv_wait", "ffn_compute", "return"} <= names
+    finally:
+        stop.set()
+        for client in (attn, ffn):
+            client.close()
+        for ex in (attn_ex, ffn_ex):
+            ex.close()
