@@ -4,6 +4,7 @@ tests/test_multihost.py starts the rendered cpu-ci containers and runs their pro
 
 from __future__ import annotations
 
+import base64
 import copy
 import shutil
 import subprocess
@@ -121,3 +122,55 @@ def test_tls_overlay_reads_cert_manager_secrets() -> None:
     example = (KUSTOMIZE_DIR / "overlays/tls/certificates.example.yaml").read_text()
     secrets = {d["spec"]["secretName"] for d in yaml.safe_load_all(example)}
     assert secrets == {"afd-ctl-tls", "afd-worker-tls"}
+
+
+def test_tls_overlay_daemon_probes_pass_in_a_namespace(tmp_path: Path) -> None:
+    """The tls overlay's afd-ctl container on a network-namespace host, with Secrets in
+    cert-manager's layout: its exec readiness probe (afd-ctl status over mTLS, with the
+    token, to the Service name) and its TCP liveness probe pass; the kubelet's plaintext grpc
+    probe, which the overlay had to drop, fails against it."""
+    from tests.kube_pods import Pod, grpc_probe
+    from tests.netns import Hosts, unavailable
+
+    why = unavailable() or (None if shutil.which("openssl") else "openssl is not installed")
+    if why:
+        pytest.skip(why)
+    pki = tmp_path / "pki"
+    pki.mkdir()
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=pki, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=afd-ca",
+            "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=afd-ctl", "-keyout", "tls.key",
+            "-out", "tls.csr")  # fmt: skip
+    (pki / "san.ext").write_text("subjectAltName=DNS:afd-ctl,DNS:afd-ctl.default.svc\n")
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-out", "tls.crt", "-extfile", "san.ext")  # fmt: skip
+
+    def secret(name: str, data: dict[str, str], kind: str = "Opaque") -> dict[str, Any]:
+        encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                "type": kind, "data": encoded}  # fmt: skip
+
+    files = {k: (pki / k).read_text() for k in ("tls.crt", "tls.key", "ca.crt")}
+    docs = [*render("overlays/tls"), secret("afd-ctl-tls", files, "kubernetes.io/tls"),
+            secret("afd-auth", {"token": "tls-test-token"})]  # fmt: skip
+    hosts = Hosts(["ctl"])
+    pod = None
+    try:
+        hosts.resolve({"afd-ctl": "ctl", "afd-ctl.default.svc": "ctl"})
+        workload = find(docs, "Deployment", "afd-ctl")
+        pod = Pod(workload, hosts, "ctl", docs, tmp_path, {}).start()
+        pod.verdict("liveness", True, timeout_s=30)
+        pod.verdict("readiness", True, timeout_s=30)
+        ready = pod.probe("readiness")
+        # It answered over mTLS with the token: no worker yet, so NOT_SERVING.
+        assert ready.ok and "NOT_SERVING" in ready.detail, ready
+        plaintext = grpc_probe(f"{pod.ip}:50051", "liveness", timeout_s=2)
+        assert not plaintext.ok, plaintext
+    finally:
+        if pod is not None:
+            pod.stop()
+        hosts.close()
