@@ -119,7 +119,6 @@ class AttentionSession:
         self.metrics.connected(
             view.epoch, reconnect=False, gpu_driven=self.data_plane.path == "gpu"
         )
-        model_split.set_exchange(self.steps.exchange)
         log.info(
             "afd attention %s: rank %d of %d, epoch %d, %d ffn peer(s), sender=%s, %s",
             self.worker_id,
@@ -148,7 +147,6 @@ class AttentionSession:
         with self._lock:
             client, self.client = self.client, None
             exchange, self.data_plane = self.data_plane, None
-        model_split.set_exchange(None)
         if client is not None:
             log.info("afd attention %s: afd attention flags %s", self.worker_id,
                      json.dumps(self.steps.flag_counts))  # fmt: skip

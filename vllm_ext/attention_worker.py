@@ -72,6 +72,7 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
         session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
         session.start()
         self._afd_session = session
+        model_split.bind_proxies(built, session.steps.exchange)  # the op finds them by name
         # The exchange path is known now, before vLLM resolves its CUDA graph mode (at KV
         # cache set-up): FULL graphs need the GPU-driven exchange.
         hooks.graphs_for_exchange_path(self.vllm_config, session.exchange_path)  # type: ignore[attr-defined]

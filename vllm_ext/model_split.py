@@ -28,38 +28,40 @@ from vllm_ext import compat
 
 log = logging.getLogger(__name__)
 
-# Set by the attention worker: layer_idx, hidden_states, router logits or None, output: writes
-# the FFN output (shaped like hidden_states) into output.
+# What a proxy calls: layer_idx, hidden_states, router logits or None, output: writes the FFN
+# output (shaped like hidden_states) into output. The attention worker binds its step state's
+# `exchange` to every proxy (bind_proxies).
 Exchange = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
-_exchange: Exchange | None = None
 
 
-def set_exchange(fn: Exchange | None) -> None:
-    global _exchange
-    _exchange = fn
+def layer_name(layer_idx: int) -> str:
+    """The proxy's name in vLLM's per-layer registry (the op finds it by this name)."""
+    return f"model.layers.{layer_idx}.mlp.afd_proxy"
 
 
 @torch.library.custom_op("afd::ffn_exchange", mutates_args=("output",))
 def ffn_exchange(
     hidden_states: torch.Tensor,
     output: torch.Tensor,
-    layer_idx: int,
+    layer_name: str,
     router_logits: torch.Tensor | None = None,
 ) -> None:
     """Sends one layer's FFN input (and, with the gate on the attention side, its router
-    logits) to the FFN side and writes its output into `output`."""
-    if _exchange is None:
+    logits) to the FFN side and writes its output into `output`. Finds its proxy by
+    `layer_name` in the running forward's context, as vLLM's own layer ops do."""
+    proxy = compat.seams().forward_layer(layer_name)
+    if proxy.exchange is None:
         raise RuntimeError(
             "afd: an AFD attention model ran without an attention session (vllm_ext bug)"
         )
-    _exchange(layer_idx, hidden_states, router_logits, output)
+    proxy.exchange(proxy.layer_idx, hidden_states, router_logits, output)
 
 
 @ffn_exchange.register_fake
 def _ffn_exchange_fake(
     hidden_states: torch.Tensor,
     output: torch.Tensor,
-    layer_idx: int,
+    layer_name: str,
     router_logits: torch.Tensor | None = None,
 ) -> None:
     return None
@@ -74,13 +76,17 @@ class AfdFfnProxy(nn.Module):
         self.layer_idx = layer_idx
         self.kind = kind
         self.gate = gate
+        self.layer_name = layer_name(layer_idx)
+        # The worker's step state (AttentionSteps.exchange), bound once its session started.
+        self.exchange: Exchange | None = None
+        compat.seams().register_forward_layer(self.layer_name, self)
 
     def forward(
         self, hidden_states: torch.Tensor, already_sequence_parallel: bool = False
     ) -> torch.Tensor:
         logits = self.gate(hidden_states)[0] if self.gate is not None else None
         output = torch.empty_like(hidden_states)
-        torch.ops.afd.ffn_exchange(hidden_states, output, self.layer_idx, logits)
+        torch.ops.afd.ffn_exchange(hidden_states, output, self.layer_name, logits)
         return output
 
     def extra_repr(self) -> str:
@@ -119,6 +125,12 @@ def attention_split(
 
 def proxies(model: nn.Module) -> list[AfdFfnProxy]:
     return [m for m in model.modules() if isinstance(m, AfdFfnProxy)]
+
+
+def bind_proxies(model: nn.Module, exchange: Exchange | None) -> None:
+    """Points every proxy of `model` at the worker's step state (None: unbound)."""
+    for proxy in proxies(model):
+        proxy.exchange = exchange
 
 
 # -- FFN role ----------------------------------------------------------------------------

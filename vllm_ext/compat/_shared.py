@@ -28,6 +28,7 @@ from vllm_ext.compat import (
     engine_args,
     engine_core,
     ffn_runtime,
+    forward_layers,
     micro_batching,
     model_runner,
     models,
@@ -40,6 +41,7 @@ from vllm_ext.compat.deepseek_v2 import *  # noqa: F403
 from vllm_ext.compat.engine_args import *  # noqa: F403
 from vllm_ext.compat.engine_core import *  # noqa: F403
 from vllm_ext.compat.ffn_runtime import *  # noqa: F403
+from vllm_ext.compat.forward_layers import *  # noqa: F403
 from vllm_ext.compat.micro_batching import *  # noqa: F403
 from vllm_ext.compat.model_runner import *  # noqa: F403
 from vllm_ext.compat.models import *  # noqa: F403
@@ -58,6 +60,7 @@ SEAMS = (
     deepseek_v2,
     models,
     ffn_runtime,
+    forward_layers,
     offline,
 )
 
