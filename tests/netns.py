@@ -136,8 +136,17 @@ class Hosts:
         return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
 
     def delay(self, name: str, ms: float) -> str:
-        """Delays everything host `name` sends by `ms`; how ("netem" or "tun relay")."""
+        """Delays everything host `name` sends by `ms` (again: changes the delay in place);
+        how ("netem" or "tun relay")."""
         ns = self.netns[name]
+        relay = self._delays.get(name)
+        if relay is not None:
+            assert relay.stdin is not None and relay.stdout is not None
+            relay.stdin.write(f"{ms}\n")
+            relay.stdin.flush()
+            if relay.stdout.readline().strip() != "ok":
+                raise RuntimeError("the delay relay did not take the new delay")
+            return "tun relay"
         netem = sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root",
                    "netem", "delay", f"{ms}ms", check=False)  # fmt: skip
         if netem.returncode == 0:
@@ -178,7 +187,7 @@ class Hosts:
         relay = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, str(Path(__file__).with_name("netns_delay.py")),
              "--ms", str(ms), "--dev", "tun0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         assert relay.stdout is not None
         line = relay.stdout.readline()  # the relay prints "ready" once tun0 exists

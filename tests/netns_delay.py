@@ -3,7 +3,9 @@
     python tests/netns_delay.py --ms 1 --dev tun0
 
 Run inside a router namespace (tests/netns.py routes a host's packets through it) where the
-kernel has no `tc netem`. Prints "ready" once the device exists; runs until killed.
+kernel has no `tc netem`. Prints "ready" once the device exists; runs until killed or its stdin
+closes. A line on stdin sets a new delay in milliseconds (answered "ok"), so runs with and
+without the delay can alternate through the same relay.
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ def main() -> None:
             except OSError:  # the device went down or the packet was refused: drop it
                 pass
         timeout = max(0.0, held[0][0] - now) if held else None
-        ready, _, _ = select.select([fd], [], [], timeout)
-        if ready:
+        ready, _, _ = select.select([fd, sys.stdin], [], [], timeout)
+        if sys.stdin in ready:
+            line = sys.stdin.readline()
+            if not line:
+                return
+            delay_s = float(line) / 1e3
+            print("ok", flush=True)
+        if fd in ready:
             arrived = time.monotonic()
             while True:
                 try:
