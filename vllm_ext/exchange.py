@@ -24,9 +24,9 @@ from afd_ctl.routing import Role
 from afd_data.partial_sums import sum_partials
 
 if TYPE_CHECKING:
-    from afd_ctl.step_reporter import StepReporter
     from vllm_ext.gpu_exchange import GpuPath
     from vllm_ext.metrics import AttentionMetrics
+    from vllm_ext.step_timing import ExchangeTimings
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +119,10 @@ class _Exchange:
 
             self.gpu = GpuPath(self.transport)
         self.plan: Any = None  # the open step's afd_data StepPlan on the GPU path
-        # Issue 26: per-step timings (and spans, while afd-ctl traces) to afd-ctl, host path
-        # only; peer_link sets it. Seconds posting/sending and waiting, over the whole run.
-        self.reporter: StepReporter | None = None
+        # Issue 26: per-step timings to afd-ctl, host path only (peer_link sets it), from the
+        # seconds spent posting/sending and waiting, counted over the whole run.
+        self.timings: ExchangeTimings | None = None
         self.post_s = self.wait_s = 0.0
-        self._step: tuple[int, float, float, float] | None = None  # id, start, wait, post
-        self._step_rows = self._step_bytes = 0
-        self._tracing = False
-        self._last_t = 0.0  # end of the last exchange call, for compute spans (tracing)
 
     @property
     def path(self) -> str:
@@ -178,42 +174,15 @@ class _Exchange:
             self.plan = self.gpu.plan(shape.step_id, shape.per_stage())
             return
         self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
-        if self.reporter is not None:
-            self._step = (shape.step_id, time.monotonic(), self.wait_s, self.post_s)
-            self._step_rows = self._step_bytes = 0
-            self._tracing = self.reporter.tracing(shape.step_id)
-            self._last_t = self._step[1]
+        if self.timings is not None:
+            self.timings.begin(shape.step_id, self)
 
     def end_step(self) -> None:
         if self.path == "gpu":
             return  # each role ends a GPU-driven step itself (end_step_gpu / step_enqueued)
         self.transport.end_step()
-        step, self._step = self._step, None
-        if step is not None and self.reporter is not None:
-            step_id, t0, wait0, post0 = step
-            now = time.monotonic()
-            wall, wait, post = now - t0, self.wait_s - wait0, self.post_s - post0
-            if self._tracing:
-                self.reporter.span("step", step_id, t0, now)
-            self.reporter.step(step_id, compute_s=max(0.0, wall - wait - post), wait_s=wait,
-                               send_s=post, tokens=self._step_rows, nbytes=self._step_bytes,
-                               wall_s=wall)  # fmt: skip
-
-    def _span(self, name: str, layer: int, start: float, end: float) -> None:
-        """One traced span of the open step (only called while tracing)."""
-        if self.reporter is not None and self._step is not None:
-            self.reporter.span(name, self._step[0], start, end, layer)
-
-    def _mark(self) -> float:
-        """Now, as the start of the next traced span (spans abut: none overlaps another)."""
-        self._last_t = time.monotonic()
-        return self._last_t
-
-    def _count(self, layer: int, rows: int, nbytes: int) -> None:
-        """Rows of the step (layer 0's, every stage) and bytes both ways (every layer)."""
-        if layer == 0:
-            self._step_rows += rows
-        self._step_bytes += 2 * nbytes
+        if self.timings is not None:
+            self.timings.end(self)
 
     def close(self) -> None:
         try:
@@ -294,11 +263,10 @@ class AttentionExchange(_Exchange):
         `router_logits`: with the gate on the attention side, this MoE layer's logits (a
         dense layer sends zeros in those columns)."""
         t0 = time.perf_counter()
-        if self._tracing:
-            self._span("attention", layer, self._last_t, self._mark())
         n = hidden_states.shape[0]
-        if self.reporter is not None:
-            self._count(layer, n, hidden_states.nbytes)
+        if self.timings is not None:
+            self.timings.span("attention", layer)
+            self.timings.count(layer, n, hidden_states.nbytes)
         staged, staged_router = self.transport.hidden_buffer(layer, stage)
         _tensor(staged, self.dtype)[:n].copy_(hidden_states.reshape(n, -1))
         if staged_router is not None:
@@ -310,11 +278,9 @@ class AttentionExchange(_Exchange):
         elif router_logits is not None:
             raise RuntimeError("afd: router logits given but the data plane carries none")
         self.transport.send_hidden(layer, stage, staged, staged_router)
-        posted = time.perf_counter() - t0
-        self.post_s += posted
-        if self._tracing:
-            start = self._last_t
-            self._span("send", layer, start, self._mark())
+        self.post_s += time.perf_counter() - t0
+        if self.timings is not None:
+            self.timings.span("send", layer)
         if self.metrics is not None:
             row = hidden_states.element_size() * (hidden_states.numel() // max(1, n))
             sent = row + (0 if router_logits is None else router_logits[:1].nbytes)
@@ -324,15 +290,14 @@ class AttentionExchange(_Exchange):
         """Waits for this layer's output from every FFN peer and sums them (expert-parallel
         FFN ranks return partial sums); shaped like the rows sent (`like`)."""
         t1 = time.perf_counter()
-        if self._tracing:
-            self._mark()
+        if self.timings is not None:
+            self.timings.mark()
         outputs = self.transport.recv_outputs(layer, stage, timeout_s=self.wait_bound_s)
         t2 = time.perf_counter()
         self.wait_s += t2 - t1
         self.exchanges += 1
-        if self._tracing:
-            start = self._last_t
-            self._span("wait", layer, start, self._mark())
+        if self.timings is not None:
+            self.timings.span("wait", layer)
         n = like.shape[0]
         parts = [_tensor(o, self.dtype)[:n] for o in outputs]
         out = sum_partials(torch.empty_like(parts[0]), parts)  # float32, rounded once (issue 23)
@@ -350,30 +315,24 @@ class FfnExchange(_Exchange):
         """Every peer's rows, concatenated, and their router logits (gate on the attention
         side) or None."""
         t0 = time.perf_counter()
-        if self._tracing:
-            self._mark()
+        if self.timings is not None:
+            self.timings.mark()
         batch = self.transport.recv_hidden(layer, stage, timeout_s=self.wait_bound_s)
         router = None if batch.router is None else _tensor(batch.router, self.router_dtype)
         hidden = _tensor(batch.hidden, self.dtype)
-        if self.reporter is not None:
-            waited = time.perf_counter() - t0
-            self.wait_s += waited
-            self._count(layer, hidden.shape[0], hidden.nbytes)
-            if self._tracing:
-                start = self._last_t
-                self._span("recv_wait", layer, start, self._mark())
+        self.wait_s += time.perf_counter() - t0
+        if self.timings is not None:
+            self.timings.count(layer, hidden.shape[0], hidden.nbytes)
+            self.timings.span("recv_wait", layer)
         return hidden, router
 
     def send(self, layer: int, stage: int, output: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        if self._tracing:
-            self._span("ffn_compute", layer, self._last_t, self._mark())
+        if self.timings is not None:
+            self.timings.span("ffn_compute", layer)
         staged = self.transport.output_buffer(layer, stage)
         _tensor(staged, self.dtype).copy_(output)
         self.transport.send_output(layer, stage, staged)
-        if self.reporter is not None:
-            sent = time.perf_counter() - t0
-            self.post_s += sent
-            if self._tracing:
-                start = self._last_t
-                self._span("return", layer, start, self._mark())
+        self.post_s += time.perf_counter() - t0
+        if self.timings is not None:
+            self.timings.span("return", layer)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from afd_ctl.fingerprint import ModelFingerprint
 from vllm_ext.control import expected_counts
+from vllm_ext.step_timing import ExchangeTimings
 
 if TYPE_CHECKING:
     from afd_ctl.client import ControllerClient, WorkerSpec
@@ -83,7 +84,8 @@ class PeerLink:
         self.exchange = exchange
         self.client: ControllerClient = access.client(spec, exchange.blob())
         # Per-step timings to afd-ctl (issue 26): `afd-ctl status`, `advise`, `trace`.
-        exchange.reporter = self.client.timings
+        exchange.timings = ExchangeTimings(self.client.timings)
+        self.client.timings.layers = spec.model.num_layers if spec.model is not None else 0
         follow_losses(self.client, exchange.transport)
         self.loss_watch: StuckLossWatch = StuckLossWatch(self.client, exchange.transport, who)
 
