@@ -47,7 +47,8 @@ class Loss:
         if self.lost is None:
             epoch, _ = self.where()
             self.lost = AfdPeerLost(
-                f"{detail} in epoch {epoch}; reconnect() with the new epoch's peers",
+                f"{detail} in epoch {epoch}; the step fails, and the worker reconnects by itself "
+                "once afd-ctl reports the peer back (see `afd-ctl status`)",
                 peer=peer,
                 epoch=epoch,
             )

@@ -137,7 +137,8 @@ def run(workdir: Path, keep: bool = True) -> int:
         print(f"    token ids: {choice.get('token_ids')}")
         print(
             "    The weights are random, so the text is nonsense (and pieces of characters show "
-            "as '?'); what matters is that the tokens equal a colocated run's."
+            "as '?'). That AFD's tokens equal a colocated run's is what `make test` checks "
+            "(tests/test_vllm_afd.py), not this demo."
         )
 
         step("afd-ctl status")

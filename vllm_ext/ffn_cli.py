@@ -8,6 +8,7 @@ one FFN worker (vllm_ext.ffn_server) until it stops. Also runnable as
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -16,6 +17,8 @@ from typing import Any
 from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig, from_vllm_config
 from vllm_ext.ffn_server import FfnWorker
+
+log = logging.getLogger("vllm_ext.ffn_server")
 
 
 def serve_ffn(args: argparse.Namespace) -> None:
@@ -35,10 +38,19 @@ def serve_ffn(args: argparse.Namespace) -> None:
 
 
 def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
+    """Runs one FFN worker; a start-up problem the user must fix (afd-ctl not answering,
+    refused credentials, a bad setting) ends it with one line that says what, no traceback."""
+    from afd_ctl.errors import AfdError
+
     worker = FfnWorker(vllm_config, afd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
-    return worker.run()
+    try:
+        return worker.run()
+    except (TimeoutError, ValueError, AfdError) as exc:
+        log.error("afd ffn %s: %s", worker.worker_id, exc)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> None:
