@@ -33,19 +33,25 @@ _FLAG_ALIGN = 256
 
 
 def host_id() -> str:
-    """Names this host for the GPU hop's path choice: workers with the same id can map each
-    other's CUDA memory. The kernel's boot id (AFD_DATA_HOST_ID overrides it, e.g. to keep a
-    test's "hosts" apart)."""
+    """Names what the GPU hop's path choice calls a host: workers with the same id can map each
+    other's CUDA memory. The kernel's boot id and this process's IPC namespace (two containers
+    on one node map each other's memory only when they share it, e.g. Kubernetes hostIPC).
+    AFD_DATA_HOST_ID overrides it (e.g. to keep a test's "hosts" apart)."""
     override = os.environ.get("AFD_DATA_HOST_ID")
     if override:
         return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+            boot = f.read().strip()
     except OSError:
         import socket
 
-        return socket.gethostname()
+        boot = socket.gethostname()
+    try:
+        ipc = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ipc = "ipc:unknown"
+    return f"{boot}/{ipc}"
 
 
 def _shape_error(
