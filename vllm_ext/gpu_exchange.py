@@ -49,7 +49,7 @@ class GpuPath:
     def connect(self, epoch: int, timeout_s: float) -> None:
         self.drain("reconnecting to a new membership")
         peers = [(p.pos, p.blob) for p in self.transport._p.peers.peers]
-        choice = self.hop.connect(epoch, peers, timeout_s, self.transport.poll_idle)
+        choice = self.hop.connect(epoch, peers, timeout_s, self._idle)
         log.info(
             "afd data path: %s rank %d uses the %s exchange to its %d peer(s) at epoch %d (%s)",
             self.transport.role.label,
@@ -59,6 +59,14 @@ class GpuPath:
             epoch,
             choice.reason,
         )
+
+    def _idle(self) -> None:
+        """While connect waits for the peers' drained marks: NIXL progresses, and a peer lost
+        meanwhile (it failed to map this buffer and left) ends the wait at once."""
+        self.transport.poll_idle()
+        lost = self.transport.lost
+        if lost is not None:
+            raise lost
 
     def plan(self, step_id: int, counts: list[list[int]]) -> StepPlan:
         config = self.transport.config
