@@ -7,8 +7,10 @@ stdout). The FFN side's "compute" is x * 2, so every output row is checked.
 - host-synced: the attention host enqueues one round trip and waits for its step's end
   (GpuPath.end_step, as the vLLM attention worker does per step): p50/p99;
 - graph: `--layers` round trips captured in one CUDA graph on the attention side (as vLLM's
-  FULL decode graph holds them), replayed `--replays` times, timed with CUDA events: the round
-  trip with no host in the loop.
+  FULL decode graph holds them), replayed `--replays` times, timed with CUDA events; the FFN
+  side replays one graph of every layer too (as the vLLM FFN server launches a step;
+  `--ffn-eager`: it enqueues each layer from its host instead): the round trip with no host
+  in the loop.
 
 Prints one JSON line last. `--mps` records that the command started MPS (one GPU, both sides
 running concurrently).
@@ -55,17 +57,28 @@ def ffn_main(args: argparse.Namespace) -> None:
     transport.connect(1, [("attention", 0, 0, base64.b64decode(peer["blob"]))])
     gpu.connect(1, 60.0)
     plan = gpu.plan(1, [[args.rows]])
-    total = args.iters + args.warmup + (args.replays + 1) * args.layers
+    host_synced = args.iters + args.warmup
+    total = host_synced + (args.replays + 1) * args.layers
     with torch.inference_mode():
-        for i in range(total):
+        for i in range(host_synced):  # one layer at a time, enqueued from the host
             gpu.run_layer(i % args.layers, 0, plan, lambda x, r: x * 2)
             if i % 256 == 255:
                 gpu.step_enqueued(i, 120.0)
+        if args.ffn_graph:  # as the vLLM FFN server runs a step: one graph of every layer
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for k in range(args.layers):
+                    gpu.run_layer((host_synced + k) % args.layers, 0, plan, lambda x, r: x * 2)
+            for _ in range(args.replays + 1):
+                graph.replay()
+        else:
+            for i in range(host_synced, total):
+                gpu.run_layer(i % args.layers, 0, plan, lambda x, r: x * 2)
         gpu.step_enqueued(total, 120.0)
         while gpu._inflight:
             gpu.check()
             time.sleep(0.001)
-    print(json.dumps({"ffn_done": total}), flush=True)
+    print(json.dumps({"ffn_done": total, "ffn_graph": args.ffn_graph}), flush=True)
     gpu.close()
     transport.close()
 
@@ -147,6 +160,7 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
             )
         done = _json_line(child.stdout, "ffn_done")
         result["ffn_served"] = done.get("ffn_done")
+        result["ffn_side"] = "one graph per replay" if done.get("ffn_graph") else "eager per layer"
         gpu.close()
         transport.close()
         return result
@@ -165,6 +179,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=61, help="round trips per graph")
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--one-gpu", action="store_true", help="both sides on cuda:0")
+    parser.add_argument(
+        "--ffn-eager", dest="ffn_graph", action="store_false",
+        help="graph mode: the FFN side enqueues each layer from its host instead of replaying "
+        "one graph of every layer (as the vLLM FFN server does)",
+    )  # fmt: skip
     parser.add_argument("--mps", action="store_true", help="MPS was started for this run")
     parser.add_argument("--serve-ffn", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
