@@ -82,7 +82,7 @@ def test_the_verdict_follows_the_envelope() -> None:
     assert not gate.verdict(stats(0.0, 2 * gate.P99_FLOOR, 100.0), zero).passed
 
 
-def test_the_fault_swaps_two_rows_of_one_layer_only() -> None:
+def test_the_faults_touch_one_layer_only() -> None:
     def forward(layer: int, hidden: torch.Tensor, *rest: object) -> torch.Tensor:
         return hidden * 2
 
@@ -92,7 +92,8 @@ def test_the_fault_swaps_two_rows_of_one_layer_only() -> None:
     assert torch.equal(faulty(1, x), (x * 2)[[1, 0, 2]])
     assert torch.equal(faulty(1, x[:1]), x[:1] * 2)  # one row: nothing to swap
     assert torch.equal(faults.with_fault(forward, "swap_rows:1:0:2")(1, x), (x * 2)[[2, 1, 0]])
-    for bad in ("swap_rows", "drop:1", "swap_rows:1:2", "swap_rows:0:1:1"):
+    assert torch.equal(faults.with_fault(forward, "shift_rows:1")(1, x), (x * 2)[[2, 0, 1]])
+    for bad in ("swap_rows", "drop:1", "swap_rows:1:2", "swap_rows:0:1:1", "shift_rows:1:2"):
         with pytest.raises(ValueError, match=faults.ENV):
             faults.parse(bad)
 
@@ -112,3 +113,15 @@ def test_partial_outputs_are_summed_in_float32_and_rounded_once() -> None:
     parts.append(torch.randn(64, 256).to(torch.bfloat16))
     want = (parts[0].float() + parts[1].float() + parts[2].float()).to(torch.bfloat16)
     assert torch.equal(sum_partials(torch.empty_like(parts[0]), parts), want)
+
+
+def test_position_scores_read_offline_and_http_prompt_logprobs() -> None:
+    class Logprob:  # vLLM's offline entries: attributes
+        def __init__(self, logprob: float, rank: int) -> None:
+            self.logprob, self.rank = logprob, rank
+
+    offline = [{7: Logprob(-0.1, 1)}, {8: Logprob(-2.0, 3), 9: Logprob(-0.5, 1)}]
+    http = [{"7": {"logprob": -0.1, "rank": 1}},
+            {"8": {"logprob": -2.0, "rank": 3}, "9": {"logprob": -0.5, "rank": 1}}]  # fmt: skip
+    for positions in (offline, http):
+        assert gate.position_scores(positions, [7, 8]) == ([-0.1, -2.0], [7, 9])

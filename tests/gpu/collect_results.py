@@ -3,7 +3,8 @@
     python tests/gpu/collect_results.py OUT.json --commit SHA --gpus N --machine NAME CASES...
 
 Keeps every case (colocated references included), and puts the fields the README quotes first:
-model, topology, cudagraph_mode, identical_tokens.
+model, topology, cudagraph_mode, the accuracy gate's verdict (an AFD case's "ok" since issue 23),
+identical_tokens (information).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-FIRST = ("case", "model", "topology", "cudagraph_mode", "identical_tokens", "ok")
+FIRST = ("case", "model", "topology", "cudagraph_mode", "accuracy_gate", "identical_tokens", "ok")
 
 
 def main() -> None:

@@ -22,6 +22,12 @@ cuda:0 and the FFN server on cuda:1 ("2gpu"); with one, both share it ("1gpu").
 - failure: kill -9 of the FFN server mid-request: a 503 that says why, /health 503, recovery
   once an FFN server is back.
 
+Every AFD case compared with colocated vLLM is judged by the accuracy gate (issue 23,
+tests/gpu/accuracy_http.py): 32 prompts x 64 tokens of colocated eager's greedy continuation,
+scored teacher-forced on the AFD server and on colocated in the same mode, against the envelope
+of colocated eager vs colocated default (graphs); its verdict is the case's "ok". Identical
+greedy tokens on the 3 prompts stay in the row as information.
+
 Writes DIR/cases-<group>.jsonl (one JSON object per case) and logs under DIR/logs/. On a
 machine without CUDA every case is skipped (tests/gpu/test_gpu_vllm.py runs it under pytest).
 """
@@ -46,6 +52,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.gpu.accuracy_http import WAIT_S as GATE_WAIT_S  # noqa: E402
+from tests.gpu.accuracy_http import GateRefs, gate_row, gate_run  # noqa: E402
 from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import free_port, wait_http_ok  # noqa: E402
 
@@ -215,35 +223,54 @@ def stop_attention(attention: Proc, ffns: list[Proc]) -> None:
 
 
 # -- references ------------------------------------------------------------------------------
-_references: dict[tuple[str, str], list[dict[str, Any]]] = {}
+_references: dict[tuple[str, str], concurrent.futures.Future[list[dict[str, Any]]]] = {}
 _reference_lock = threading.Lock()
+# The accuracy gate's colocated runs (tests/gpu/accuracy_http.py): its verdict is the pairs'.
+GATE = GateRefs()
 
 
 def colocated(out: Path, results: Path, model: Path, label: str, mode: str,
               ) -> list[dict[str, Any]]:  # fmt: skip
-    """The colocated `vllm serve` of `model` in graph mode `mode` on cuda:0 (once per run)."""
+    """The colocated `vllm serve` of `model` in graph mode `mode` on cuda:0 (once per run:
+    a second caller waits for the first's answers)."""
+    key = (str(model), mode)
+    with _reference_lock:
+        future = _references.get(key)
+        first = future is None
+        if first:
+            future = _references[key] = concurrent.futures.Future()
+    assert future is not None
+    if not first:
+        return future.result(timeout=2 * START_TIMEOUT_S + 600)
+    try:
+        answers = _colocated(out, results, model, label, mode)
+    except BaseException as exc:
+        future.set_exception(exc)
+        raise
+    future.set_result(answers)
+    return answers
+
+
+def _colocated(out: Path, results: Path, model: Path, label: str, mode: str,
+               ) -> list[dict[str, Any]]:  # fmt: skip
     # The same mode as the AFD case: on one host AFD runs the FULL graphs asked for (the
     # exchange GPU-driven inside them).
-    ref_mode = mode
-    key = (str(model), ref_mode)
-    with _reference_lock:
-        if key in _references:
-            return _references[key]
-    case = Case(out, f"colocated-{label}-{ref_mode}", model=label, topology="colocated-1gpu",
-                cudagraph_mode=ref_mode.upper())  # fmt: skip
+    case = Case(out, f"colocated-{label}-{mode}", model=label, topology="colocated-1gpu",
+                cudagraph_mode=mode.upper())  # fmt: skip
     try:
-        proc, port = serve(case, model, "server", base_flags(ref_mode, 0.2), order(0))
+        proc, port = serve(case, model, "server", base_flags(mode, 0.2), order(0))
         ready(proc, port)
         answers = generate(port, model)
         case.row["texts"] = [a["text"] for a in answers]
+        # The gate: colocated eager draws the continuation every other run scores.
+        continuation = None if mode == "eager" else GATE.continuation(model)
+        GATE.put(model, mode, gate_run(port, model, continuation))
         case.row["ok"] = True
     except Exception as exc:
         case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
         case.finish(results)
         raise
     case.finish(results)
-    with _reference_lock:
-        _references[key] = answers
     return answers
 
 
@@ -259,10 +286,11 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
                 cudagraph_mode=("FULL_AND_PIECEWISE (vLLM default)" if mode == "default"
                                 else mode.upper()))  # fmt: skip
     reference = None
-    if compare_to_colocated:  # the colocated server starts next to the AFD ones
-        reference = concurrent.futures.ThreadPoolExecutor(1).submit(
-            colocated, out, results, model, label, mode
-        )
+    if compare_to_colocated:  # the colocated servers start next to the AFD ones
+        pool = concurrent.futures.ThreadPoolExecutor(3)
+        reference = pool.submit(colocated, out, results, model, label, mode)
+        for other in {"eager", "default"} - {mode}:  # the gate's envelope needs both
+            pool.submit(colocated, out, results, model, label, other)
     try:
         flags = base_flags(mode, 0.15)
         if load_format:
@@ -291,9 +319,13 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             burst = list(pool.map(lambda p: complete(port, model, p), PROMPTS + PROMPTS[:1]))
         case.row["burst_ok"] = all(b["token_ids"] for b in burst)
-        want = reference.result(timeout=START_TIMEOUT_S) if reference is not None else None
+        # The colocated run's bound: its start, then the gate's wait for colocated eager.
+        bound = START_TIMEOUT_S + GATE_WAIT_S
+        want = reference.result(timeout=bound) if reference is not None else None
         if want is not None:
-            case.row.update(compare(got, want))
+            case.row.update(compare(got, want))  # identical tokens: information only
+            gate = gate_row(GATE, model, mode, gate_run(port, model, GATE.continuation(model)))
+            case.row.update(gate)
         else:
             case.row["answered"] = all(g["token_ids"] for g in got)
             case.row["afd_texts"] = [g["text"] for g in got]
@@ -305,7 +337,10 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         case.row["exchange_path"] = _exchange_path(attention.log())
         case.row["ffn_exchange_path"] = [_exchange_path(f.log()) for f in ffns]
         case.row["graphs_follow_flags"] = graphs_follow_flags(case.row, mode)
-        case.row["ok"] = bool(case.row.get("identical_tokens", case.row.get("answered")))
+        if "accuracy_gate" in case.row:  # the gate's verdict, not identical tokens
+            case.row["ok"] = case.row["accuracy_gate"] == "pass"
+        else:
+            case.row["ok"] = bool(case.row.get("answered"))
         if mode != "eager" and case.row["exchange_path"] == "gpu":
             # FULL graphs on the attention side, the exchange inside them (its log says so).
             note = case.row["afd_graph_note"] or ""

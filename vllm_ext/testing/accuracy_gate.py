@@ -49,6 +49,21 @@ def prompt_token_ids(
     return [[rng.randrange(reserved, vocab_size) for _ in range(k)] for k in lengths]
 
 
+def position_scores(positions: list[Any], continuation: list[int]) -> tuple[list[float], list[int]]:
+    """(log-prob of each continuation token, top-1 token at each position) from vLLM's prompt
+    log-probs of the continuation's positions (the last len(continuation) of the prompt): dicts
+    of token id -> Logprob offline, of str(token id) -> {"logprob", "rank"} over HTTP."""
+    logprobs, top1 = [], []
+    for tok, pos in zip(continuation, positions, strict=True):
+        entries = {
+            int(k): (v["logprob"], v["rank"]) if isinstance(v, dict) else (v.logprob, v.rank)
+            for k, v in pos.items()
+        }
+        logprobs.append(float(entries[tok][0]))
+        top1.append(next(k for k, (_, rank) in entries.items() if rank == 1))
+    return logprobs, top1
+
+
 def _quantile(sorted_values: list[float], q: float) -> float:
     """The q-quantile by linear interpolation (numpy's default), of sorted values."""
     if not sorted_values:

@@ -1,9 +1,11 @@
 """Test-only fault injection on the FFN side, to prove the accuracy gate fails on a real bug.
 
     AFD_TEST_FAULT=swap_rows:LAYER[:ROW_A:ROW_B]   (rows 0 and 1 by default)
+    AFD_TEST_FAULT=shift_rows:LAYER
 
-swaps two rows of layer LAYER's FFN output before it goes back to the attention side, as a
-misplaced row in the data plane would. Off unless the variable is set; the FFN engine
+swaps two rows of layer LAYER's FFN output (a misplaced row), or shifts its rows by one (row i
+gets row i-1's output, the first the last's: a slice offset off by one), before it goes back
+to the attention side. Off unless the variable is set; the FFN engine
 (vllm_ext/ffn_engine.py) only imports this module when it is, and logs a warning then.
 """
 
@@ -19,27 +21,35 @@ ENV = "AFD_TEST_FAULT"
 ForwardLayer = Callable[..., Any]
 
 
-def parse(spec: str) -> tuple[int, int, int]:
-    """(layer, row_a, row_b) from 'swap_rows:LAYER[:ROW_A:ROW_B]'; ValueError otherwise."""
+def parse(spec: str) -> tuple[str, int, int, int]:
+    """(kind, layer, row_a, row_b) from 'swap_rows:LAYER[:ROW_A:ROW_B]' or
+    'shift_rows:LAYER'; ValueError otherwise."""
     kind, _, rest = spec.partition(":")
     fields = rest.split(":") if rest else []
+    if kind == "shift_rows" and len(fields) == 1:
+        return kind, int(fields[0]), 0, 0
     if kind != "swap_rows" or len(fields) not in (1, 3):
-        raise ValueError(f"{ENV}={spec!r}: expected swap_rows:LAYER[:ROW_A:ROW_B]")
+        raise ValueError(
+            f"{ENV}={spec!r}: expected swap_rows:LAYER[:ROW_A:ROW_B] or shift_rows:LAYER"
+        )
     layer, a, b = (int(f) for f in (fields if len(fields) == 3 else [fields[0], "0", "1"]))
     if a == b:
         raise ValueError(f"{ENV}={spec!r}: the two rows must differ")
-    return layer, a, b
+    return kind, layer, a, b
 
 
 def with_fault(forward_layer: ForwardLayer, spec: str) -> ForwardLayer:
     """`forward_layer(layer, hidden, ...)` with the fault of `spec` applied to its output."""
-    layer, a, b = parse(spec)
-    log.warning("afd: %s=%s: layer %d's FFN output rows %d and %d are swapped (test only)",
-                ENV, spec, layer, a, b)  # fmt: skip
+    kind, layer, a, b = parse(spec)
+    log.warning("afd: %s=%s: layer %d's FFN output is corrupted (test only)", ENV, spec, layer)
 
     def faulty(layer_idx: int, hidden_states: Any, *args: Any) -> Any:
         out = forward_layer(layer_idx, hidden_states, *args)
-        if layer_idx == layer and out.shape[0] > max(a, b):
+        if layer_idx != layer or out.shape[0] < 2:
+            return out
+        if kind == "shift_rows":
+            return out.roll(1, dims=0)
+        if out.shape[0] > max(a, b):
             out = out.clone()
             out[[a, b]] = out[[b, a]]
         return out

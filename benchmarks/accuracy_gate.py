@@ -1,0 +1,204 @@
+"""The accuracy gate on CPU (issue 23): AFD against vLLM's colocated run, judged by the
+envelope of vLLM's own two accepted numerics.
+
+Per model (tiny DeepSeek-V2, -V3, Qwen3-MoE; float32, one OpenMP thread):
+- reference: colocated eager draws the prompts, generates greedily, scores its continuation;
+- envelope: colocated compiled (torch.compile with Inductor, no CUDA graphs on CPU) scores the
+  same continuation; its statistics against the reference are the envelope;
+- cases, all eager: AFD 1 attention : 1 FFN, AFD 1 : 2 FFN (experts split across the two FFN
+  servers, partial outputs summed by the attention side), and AFD 1:1 with a fault injected on
+  the FFN side (AFD_TEST_FAULT: two rows of one layer's output swapped), which must fail.
+
+    python benchmarks/accuracy_gate.py [--models 2,3,qwen3] [--prompts 32] [--tokens 64]
+        [--out benchmarks/results/DATE_cpu-2core_accuracy_gate.json]
+
+Prints one JSON line last: per model the cases with their statistics, the envelope and the
+verdict ("accuracy_gate": "pass"|"fail"); "expected" says what each case should give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
+from vllm_ext.testing import accuracy_gate as gate  # noqa: E402
+from vllm_ext.testing.procs import ffn_argv, vllm_env  # noqa: E402
+
+# The faults, at layer 1 (an MoE layer in every tiny model; DeepSeek's layer 0 is dense): two
+# rows swapped in every step, and every row shifted by one.
+FAULTS = ("shift_rows:1", "swap_rows:1")
+FAULT = FAULTS[0]
+RUN_TIMEOUT_S = 400
+# The tiny models draw every matrix from N(0, 0.02), and their FFN half barely moves the
+# logits: with two FFN output rows of one layer swapped at every step (tiny DeepSeek-V2, any
+# of layers 1-3) no greedy token changed and the teacher-forced log-probs moved by 2e-4 nats
+# at most, below colocated eager against compiled (1e-2), so a gate on that model could not
+# see an FFN-side bug (most likely MLA's renormalised latent makes the attention output much
+# larger than the FFN's). The gate's models scale every FFN down projection by FFN_GAIN, so
+# the FFN half moves the logits as it does in a trained model.
+FFN_GAIN = 8.0
+
+
+def build_model(version: str, root: Path, ffn_gain: float = FFN_GAIN) -> Path:
+    """The tiny model of `version` with every FFN down projection scaled by `ffn_gain`."""
+    if version == "qwen3":
+        from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
+
+        base = build_tiny_qwen3_moe(root / "tiny-qwen3-moe")
+    else:
+        from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+
+        base = build_tiny_deepseek(root / f"tiny-v{version}", version=int(version))
+    if ffn_gain == 1:
+        return base
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = root / f"{base.name}-ffn-x{ffn_gain:g}"
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    weights = load_file(str(base / "model.safetensors"))
+    for name, tensor in weights.items():
+        if ".mlp." in name and name.endswith("down_proj.weight"):
+            weights[name] = tensor * ffn_gain
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _accuracy_run(model: Path, out: Path, log: Path, *args: str) -> dict[str, Any]:
+    """One vllm_ext.testing.accuracy_run process (in-process engine) to its end."""
+    argv = [sys.executable, "-m", "vllm_ext.testing.accuracy_run", str(model), "--out", str(out)]
+    proc = Proc([*argv, *args], log, vllm_env(in_process=True))
+    try:
+        proc.json_report(timeout=RUN_TIMEOUT_S)
+        assert proc.wait(60) == 0, proc.tail()
+    finally:
+        proc.stop()
+    return json.loads(out.read_text())
+
+
+def afd_run(
+    model: Path, work: Path, name: str, reference: Path, ffns: int = 1,
+    ffn_env: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """afd-ctl, `ffns` FFN servers (experts split when 2) and the attention side as an
+    accuracy_run scoring the reference's continuation."""
+    procs: list[Proc] = []
+    try:
+        daemon = Daemon(work / f"{name}-daemon.log", "--expect-attention", "1",
+                        "--expect-ffn", str(ffns))  # fmt: skip
+        procs.append(daemon)
+        for rank in range(ffns):
+            extra = ["--additional-config", json.dumps({"afd": {"ffn_rank": rank}})]
+            argv = ffn_argv(model, daemon.address, *(extra if ffns > 1 else []))
+            procs.append(Proc(argv, work / f"{name}-ffn{rank}.log", vllm_env(ffn_env)))
+        out = work / f"{name}.json"
+        return _accuracy_run(model, out, work / f"{name}-attention.log", "--reference",
+                             str(reference), "--afd-controller", daemon.address)  # fmt: skip
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def gate_model(
+    model: Path, work: Path, prompts: int, tokens: int, *, faults: tuple[str, ...] = FAULTS
+) -> dict[str, Any]:
+    """Every case of one model: {"envelope": ..., "cases": [...], "timings_s": ...}."""
+    work.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t = time.monotonic()
+    ref_path = work / "colocated-eager.json"
+    reference = _accuracy_run(model, ref_path, work / "colocated-eager.log",
+                              "--prompts", str(prompts), "--tokens", str(tokens))  # fmt: skip
+    timings["colocated_eager"] = time.monotonic() - t
+    t = time.monotonic()
+    compiled = _accuracy_run(model, work / "colocated-compiled.json",
+                             work / "colocated-compiled.log", "--reference", str(ref_path),
+                             "--compiled")  # fmt: skip
+    timings["colocated_compiled"] = time.monotonic() - t
+    envelope = gate.compare(reference, compiled)
+    runs: dict[str, tuple[dict[str, Any], str]] = {}
+    plan: list[tuple[str, int, dict[str, str] | None, str]] = [
+        ("afd_1to1_eager", 1, None, "pass"),
+        ("afd_1to2_experts_split_eager", 2, None, "pass"),
+    ]
+    for spec in faults:
+        plan.append((f"afd_1to1_eager_fault_{spec}", 1, {"AFD_TEST_FAULT": spec}, "fail"))
+    for name, ffns, env, expected in plan:
+        t = time.monotonic()
+        runs[name] = (afd_run(model, work, name, ref_path, ffns, env), expected)
+        timings[name] = time.monotonic() - t
+    cases = []
+    for name, (run, expected) in runs.items():
+        case = gate.gate_case(name, reference, run, envelope)
+        case["expected"] = expected
+        cases.append(case)
+    # The issue's rule for 1:2: it must also pass against 1:1.
+    one, two = runs["afd_1to1_eager"][0], runs["afd_1to2_experts_split_eager"][0]
+    case = gate.gate_case("afd_1to2_vs_afd_1to1_eager", one, two, envelope)
+    case["expected"] = "pass"
+    cases.append(case)
+    return {
+        "prompts": len(reference["prompt_ids"]),
+        "prompt_lengths": sorted(len(p) for p in reference["prompt_ids"]),
+        "continuation_tokens": len(reference["generated"][0]),
+        "envelope": {
+            "between": "colocated eager and colocated compiled (torch.compile, "
+            "Inductor; CPU: no CUDA graphs)",
+            **envelope.to_json(),
+        },  # fmt: skip
+        "cases": cases,
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="2,3,qwen3")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--out", default="", help="also write the report here")
+    parser.add_argument("--work-dir", default="", help="keep runs and logs here")
+    args = parser.parse_args()
+    stop_children_on_sigterm()
+    import importlib.metadata
+
+    report: dict[str, Any] = {
+        "benchmark": "accuracy_gate",
+        "machine": "cpu-2core",
+        "vllm": importlib.metadata.version("vllm"),
+        "dtype": "float32",
+        "rule": {"factor": gate.FACTOR, "top1_slack_points": gate.TOP1_SLACK_POINTS,
+                 "p99_floor_nats": gate.P99_FLOOR, "median_floor_nats": gate.MEDIAN_FLOOR},
+        "faults": list(FAULTS),
+        "ffn_gain": FFN_GAIN,
+        "models": {},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="afd-accuracy-") as tmp:
+        work = Path(args.work_dir or tmp)
+        for version in args.models.split(","):
+            model = build_model(version, work / "models")
+            report["models"][version] = gate_model(
+                model, work / f"runs-{version}", args.prompts, args.tokens
+            )
+    report["all_as_expected"] = all(
+        case["accuracy_gate"] == case["expected"]
+        for m in report["models"].values()
+        for case in m["cases"]
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
