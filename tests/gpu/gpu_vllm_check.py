@@ -89,6 +89,10 @@ def base_flags(mode: str, memory: float) -> list[str]:
         # memory profiling would count the others' allocations as its own.
         "--kv-cache-memory-bytes", str(2 << 30),
     ]  # fmt: skip
+    if ON_CPU:  # vLLM 0.32 on a CPU with AMX: float32 MLA needs the reference backend
+        from vllm_ext.testing.offline import CPU_ATTENTION_BACKEND
+
+        flags += ["--attention-backend", CPU_ATTENTION_BACKEND] if CPU_ATTENTION_BACKEND else []
     if mode == "eager":
         return [*flags, "--enforce-eager"]
     compilation: dict[str, Any] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
