@@ -11,6 +11,8 @@ import grpc.experimental
 from afd_ctl.tls import channel_credentials
 
 DEFAULT_CONTROLLER = "127.0.0.1:50051"
+# The shortest bound of a client's keepalive pings of the daemon (open_channel says why).
+CLIENT_KEEPALIVE_MIN_S = 10.0
 
 
 def keepalive_options(liveness_timeout_s: float) -> list[tuple[str, int]]:
@@ -62,7 +64,12 @@ def open_channel(
     """A channel to the daemon; afd_ctl.tls.TlsFileError (one line naming the file) when a TLS
     file is missing or bad."""
     options: list[tuple[str, object]] = [
-        *keepalive_options(liveness_timeout_s),
+        # A worker's own pings only find a frozen daemon or a cut path (a dead daemon closes
+        # the connection at once), and a false alarm hangs up a live session, which fails a
+        # step on every worker: they get at least CLIENT_KEEPALIVE_MIN_S (a client's ping
+        # timed out after 1.5 s on a loaded 2-core machine). The daemon's pings of the workers
+        # keep the liveness bound (afd_ctl.server).
+        *keepalive_options(max(liveness_timeout_s, CLIENT_KEEPALIVE_MIN_S)),
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.enable_retries", 0),
         (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
