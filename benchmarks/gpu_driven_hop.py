@@ -56,7 +56,7 @@ def ffn_main(args: argparse.Namespace) -> None:
     peer = json.loads(sys.stdin.readline())
     transport.connect(1, [("attention", 0, 0, base64.b64decode(peer["blob"]))])
     gpu.connect(1, 60.0)
-    plan = gpu.plan(1, [[args.rows]])
+    plan = gpu.plan([[args.rows]])
     host_synced = args.iters + args.warmup
     total = host_synced + (args.replays + 1) * args.layers
     with torch.inference_mode():

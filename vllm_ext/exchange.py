@@ -171,7 +171,7 @@ class _Exchange:
 
                 raise AfdStaleEpoch(f"step {shape.step_id} is of epoch {shape.epoch}, the data "
                                     f"plane of epoch {epoch}")  # fmt: skip
-            self.plan = self.gpu.plan(shape.step_id, shape.per_stage())
+            self.plan = self.gpu.plan(shape.per_stage())
             return
         self.transport.begin_step(shape.step_id, shape.per_stage(), epoch=shape.epoch)
         if self.timings is not None:

@@ -73,7 +73,6 @@ class FfnSteps:
             epoch=payload.epoch,
             warmup=payload.is_warmup or payload.is_profile or payload.is_graph_capturing,
         )
-        exchange = exchange
         exchange.begin_step(shape)
         self.graphs.begin_step(payload)
         if exchange.path == "gpu":
@@ -96,16 +95,20 @@ class FfnSteps:
         self.recv_s += recv_s
         self.compute_s += compute_s
         self.send_s += send_s
-        self._recent.append((recv_s, compute_s, send_s))
         metrics.step(compute_s, recv_s, self.graphs.mode)
-        self.steps += 1
-        self.two_stage_steps += len(stages) > 1
+        self._served(payload.step_id, len(stages), (recv_s, compute_s, send_s), "")
         if profiler is not None:
             profiler.step(payload.step_id)
+
+    def _served(self, step_id: int, stages: int, split: tuple[float, float, float],
+                note: str) -> None:  # fmt: skip
+        """Counts a step served (either path) and says so at the first and every 1000th."""
+        self._recent.append(split)
+        self.steps += 1
+        self.two_stage_steps += stages > 1
         if self.steps == 1 or self.steps % 1000 == 0:
-            log.info(
-                "afd ffn %s: %d steps served (last %d)", self.worker_id, self.steps, payload.step_id
-            )
+            log.info("afd ffn %s: %d steps served (last %d%s)", self.worker_id, self.steps,
+                     step_id, note)  # fmt: skip
 
     def _enqueue_gpu(
         self, payload: Any, stages: list[int], exchange: FfnExchange, metrics: FfnMetrics
@@ -140,14 +143,5 @@ class FfnSteps:
         gpu.step_enqueued(payload.step_id, exchange.step_bound_s)
         enqueue_s = time.perf_counter() - t0
         self.compute_s += enqueue_s
-        self._recent.append((0.0, enqueue_s, 0.0))
         metrics.step(enqueue_s, 0.0, self.graphs.mode)
-        self.steps += 1
-        self.two_stage_steps += len(stages) > 1
-        if self.steps == 1 or self.steps % 1000 == 0:
-            log.info(
-                "afd ffn %s: %d steps served (last %d, GPU-driven)",
-                self.worker_id,
-                self.steps,
-                payload.step_id,
-            )
+        self._served(payload.step_id, len(stages), (0.0, enqueue_s, 0.0), ", GPU-driven")

@@ -40,14 +40,13 @@ class GpuPath:
         self.hop = GpuHop(transport.role, transport.role_rank, transport.config, parts.layout,
                           parts.local)  # fmt: skip
         self._inflight: deque[tuple[Any, float, float, int]] = deque()
-        self.steps = 0
 
     @property
     def active(self) -> bool:
         return self.hop.path == "gpu"
 
     def connect(self, epoch: int, timeout_s: float) -> None:
-        self.drain("reconnecting to a new membership")
+        """After the transport reconnected (the caller drained this stream before that)."""
         peers = [(p.pos, p.blob) for p in self.transport._p.peers.peers]
         choice = self.hop.connect(epoch, peers, timeout_s, self._idle)
         log.info(
@@ -68,7 +67,7 @@ class GpuPath:
         if lost is not None:
             raise lost
 
-    def plan(self, step_id: int, counts: list[list[int]]) -> StepPlan:
+    def plan(self, counts: list[list[int]]) -> StepPlan:
         config = self.transport.config
         return plan_step(config, self.transport.role, self.transport.role_rank,
                          validate_counts(config, counts))  # fmt: skip
@@ -92,7 +91,6 @@ class GpuPath:
         done = torch.cuda.Event()
         done.record()
         why = self.hop.drain(done.query, bound_s, self._lost)
-        self.steps += 1
         if why is not None:
             self._mark_lost(why)
             raise AfdPeerLost(why) if why.startswith("afd peer lost") else AfdTimeout(why)
@@ -113,7 +111,6 @@ class GpuPath:
         done = torch.cuda.Event()
         done.record()
         self._inflight.append((done, time.monotonic(), bound_s, step_id))
-        self.steps += 1
         self.check()
 
     def check(self) -> None:
@@ -132,17 +129,16 @@ class GpuPath:
         self._mark_lost(why)
         raise AfdPeerLost(f"afd peer lost: {why}")
 
-    def drain(self, reason: str) -> str | None:
+    def drain(self, reason: str) -> None:
         """Empties the stream of every enqueued step, poisoning at once (nothing more is
         coming for them)."""
         if not self._inflight:
-            return None
+            return
         last = self._inflight[-1][0]
         why = self.hop.drain(last.query, 0.0, lambda: reason)
         self._inflight.clear()
         if why:
             log.warning("afd data path: released the GPU stream's waits: %s", reason)
-        return reason
 
     def close(self) -> None:
         try:
