@@ -74,6 +74,8 @@ class LocalAgent:
             self.send_table.descs(self.base, self.mem.device_id),
             self.mem.mem_type,
         )
+        # How a peer on this host maps the buffer (None: NIXL only); GpuHop reads it too.
+        self.gpu_endpoint = self.mem.gpu_endpoint()
         self.blob = encode_blob(
             PeerBlob(
                 agent_name=name,
@@ -85,7 +87,7 @@ class LocalAgent:
                 recv_bytes=layout.recv_bytes,
                 device_id=self.mem.device_id,
                 shape=config.shape_fields(),
-                gpu=self.mem.gpu_endpoint(),
+                gpu=self.gpu_endpoint,
             )
         )
 

@@ -82,7 +82,7 @@ class GpuHop:
         self.mem = local.mem
         self.base: int = local.base
         self.flag_layout: FlagLayout = local.flags
-        self.endpoint = self.mem.gpu_endpoint() if self.mem.mem_type == "VRAM" else None
+        self.endpoint = local.gpu_endpoint
         self.choice = PathChoice("nixl", "not connected")
         self.epoch = 0
         self._peers: dict[int, _Mapped] = {}
