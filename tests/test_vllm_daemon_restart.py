@@ -132,4 +132,6 @@ def test_vllm_serve_survives_afd_ctl_restarts(
     # vLLM logs the worker's traceback only where its worker runs in a process of its own
     # (the multiprocessing executor); where it does, once per cause (+ one a minute).
     assert tracebacks <= len(causes) + 1, (tracebacks, causes)
-    assert 1 <= log.count("Dumping input data") <= 2, log.count("Dumping input data")
+    # vLLM dumps the engine input only on some of its failure paths; where it does, at most
+    # once a minute (a fresh-clone run on this machine had none).
+    assert log.count("Dumping input data") <= 2, log.count("Dumping input data")
