@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--expect-attention", type=int, metavar="M", help="attention workers (1)")
     serve.add_argument("--expect-ffn", type=int, metavar="N", help="FFN workers (1)")
     serve.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        metavar="E",
+        help="FFN workers per group, which split the experts; N / E groups, E must divide N "
+        "and N / E <= M (N: one group every attention worker reaches; default: min(M, N) groups)",
+    )
+    serve.add_argument(
         "--liveness-timeout-s",
         type=float,
         metavar="S",
@@ -375,6 +382,13 @@ def format_status(status: afd_pb2.Status) -> str:
     for role in status.roles:
         lines.append(
             f"{afd_pb2.Role.Name(role.role).lower():<10} {role.registered:>10} {role.expected:>9}"
+        )
+    if status.ffn_groups:  # an older daemon does not say
+        expected = {r.role: r.expected for r in status.roles}
+        ffn = expected.get(afd_pb2.FFN, 0)
+        lines.append(
+            f"ffn groups  {status.ffn_groups} (expert-parallel size "
+            f"{ffn // status.ffn_groups if ffn % status.ffn_groups == 0 else 'uneven'})"
         )
     if status.subscribers:
         lines += ["", f"{'SUBSCRIBER':<28} {'QUEUED':>7} {'CAPACITY':>9} {'LAST STEP':>10}"]

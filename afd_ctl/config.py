@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, fields
 
+from afd_ctl.routing import group_count, groups_for_expert_parallel
 from afd_ctl.tls import check_certificates, check_key_pair, read_file
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -21,6 +22,10 @@ class DaemonConfig:
     listen: str = DEFAULT_LISTEN
     expect_attention: int = 1
     expect_ffn: int = 1
+    # FFN ranks per group, which split the experts between them (E; N / E groups, each reached
+    # by its own attention ranks). 0: the default grouping, min(M, N) groups; N: one group that
+    # every attention rank reaches, each FFN rank holding 1/N of the experts.
+    expert_parallel_size: int = 0
     # A worker whose session ends or whose connection stops answering grpc's keepalive pings
     # (answered in grpc's C core, so a busy Python does not miss them) is lost within this.
     liveness_timeout_s: float = 2.0
@@ -50,6 +55,10 @@ class DaemonConfig:
             raise ValueError(
                 "--expect-attention and --expect-ffn must be >= 1 "
                 f"(got {self.expect_attention} and {self.expect_ffn})"
+            )
+        if self.expert_parallel_size:
+            groups_for_expert_parallel(
+                self.expect_attention, self.expect_ffn, self.expert_parallel_size
             )
         if not 0.2 <= self.liveness_timeout_s <= 600:
             raise ValueError(
@@ -94,6 +103,15 @@ class DaemonConfig:
         if self.tls_client_ca:
             check_certificates(self.tls_client_ca, "--tls-client-ca")
         parse_listen(self.listen)
+
+    @property
+    def ffn_groups(self) -> int:
+        """The number of FFN groups the routing uses (afd_ctl.routing)."""
+        if self.expert_parallel_size:
+            return groups_for_expert_parallel(
+                self.expect_attention, self.expect_ffn, self.expert_parallel_size
+            )
+        return group_count(self.expect_attention, self.expect_ffn)
 
     @property
     def tls(self) -> bool:

@@ -80,7 +80,11 @@ class Controller:
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = time.monotonic()
         self.membership = Membership(
-            config.expect_attention, config.expect_ffn, config.max_blob_bytes, first_epoch
+            config.expect_attention,
+            config.expect_ffn,
+            config.max_blob_bytes,
+            first_epoch,
+            ffn_groups=config.ffn_groups,
         )
         self.sessions: dict[str, Session] = {}
         self.taps: list[Tap] = []
@@ -474,6 +478,7 @@ class Controller:
             listen=self.listen_address,
             recent_events=list(self.recent_events),
             loads=self.loads(),
+            ffn_groups=m.ffn_groups,
         )
         for role in ROLES:
             status.roles.add(

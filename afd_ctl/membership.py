@@ -77,8 +77,11 @@ class Membership:
         expect_ffn: int,
         max_blob_bytes: int = 1 << 20,
         first_epoch: int | None = None,
+        ffn_groups: int | None = None,
     ) -> None:
         self.expected: dict[str, int] = {ATTENTION: expect_attention, FFN: expect_ffn}
+        # The number of FFN groups every routing call uses (None: min(M, N); afd_ctl.routing).
+        self.ffn_groups = routing.group_count(expect_attention, expect_ffn, ffn_groups)
         self.max_blob_bytes = max_blob_bytes
         # Epochs start at the wall clock in ms so a restarted daemon never reuses an epoch.
         self.epoch = int(time.time() * 1000) if first_epoch is None else first_epoch
@@ -120,10 +123,12 @@ class Membership:
 
     def routes(self) -> list[tuple[int, list[int]]]:
         m, n = self.expected[ATTENTION], self.expected[FFN]
-        return [(a, routing.ffn_ranks_for(a, m, n)) for a in range(m)]
+        return [(a, routing.ffn_ranks_for(a, m, n, groups=self.ffn_groups)) for a in range(m)]
 
     def sender_ranks(self) -> list[int]:
-        return routing.sender_ranks(self.expected[ATTENTION], self.expected[FFN])
+        return routing.sender_ranks(
+            self.expected[ATTENTION], self.expected[FFN], groups=self.ffn_groups
+        )
 
     def is_sender(self, worker: Worker) -> bool:
         return worker.role == ATTENTION and worker.role_rank in self.sender_ranks()
@@ -132,15 +137,17 @@ class Membership:
         """Registered workers this one exchanges hidden states with, in role-rank order."""
         m, n = self.expected[ATTENTION], self.expected[FFN]
         if worker.role == ATTENTION:
-            ranks, role = routing.ffn_ranks_for(worker.role_rank, m, n), FFN
+            ranks = routing.ffn_ranks_for(worker.role_rank, m, n, groups=self.ffn_groups)
+            role = FFN
         else:
-            ranks, role = routing.attention_ranks_for(worker.role_rank, m, n), ATTENTION
+            ranks = routing.attention_ranks_for(worker.role_rank, m, n, groups=self.ffn_groups)
+            role = ATTENTION
         return [w for r in ranks if (w := self.get(role, r)) is not None]
 
     def subscribers_of(self, sender: Worker) -> list[Worker]:
         """FFN workers that receive the payloads `sender` publishes."""
         m, n = self.expected[ATTENTION], self.expected[FFN]
-        ranks = routing.subscriber_ranks(sender.role_rank, m, n)
+        ranks = routing.subscriber_ranks(sender.role_rank, m, n, groups=self.ffn_groups)
         return [w for f in ranks if (w := self.get(FFN, f))]
 
     # -- changes -------------------------------------------------------------------------

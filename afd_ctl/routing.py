@@ -2,13 +2,20 @@
 by the daemon, the worker client, the data plane (`afd_data`) and the vLLM plugin. Plain
 Python: importing it pulls in neither gRPC nor NIXL.
 
-With g = min(M, N), attention rank a talks to FFN rank f iff a % g == f % g. That covers every
-ratio: M >= N (several attention ranks share an FFN rank: 2:1, 3:2) and M < N (one attention
-rank fans out to several expert-parallel FFN ranks: 1:2). Only attention ranks below g publish
-control payloads; sender s reaches exactly the FFN ranks f with f % g == s, so every FFN rank
-has one sender and the payload's DP metadata (global after vLLM's DP all-reduce) covers all.
-Peers are always ordered by role rank: an FFN worker packs the hidden states of its attention
-peers in that order, and an attention worker gets one output per FFN peer in that order.
+The FFN ranks form g groups (1 <= g <= min(M, N)); attention rank a talks to FFN rank f iff
+a % g == f % g, and the FFN ranks of one group split the experts between them (expert
+parallelism). Every function takes `groups` (g); None means g = min(M, N), the default: M >= N
+gives each FFN rank its own group that several attention ranks share (2:1, 3:2), M < N fans one
+attention rank out to several expert-parallel FFN ranks (1:2). A deployment that wants every
+FFN rank to hold 1/N of the experts (DeepSeek-V3) runs ONE group that every attention rank
+reaches (all-to-all bipartite); users set it as the expert-parallel size E = N / g
+(`groups_for_expert_parallel`, afd-ctl serve --expert-parallel-size).
+
+Only attention ranks below g publish control payloads; sender s reaches exactly the FFN ranks
+f with f % g == s, so every FFN rank has one sender and the payload's DP metadata (global after
+vLLM's DP all-reduce) covers all. Peers are always ordered by role rank: an FFN worker packs
+the hidden states of its attention peers in that order, and an attention worker gets one
+output per FFN peer in that order (and sums them: each FFN peer ran its share of the experts).
 """
 
 from __future__ import annotations
@@ -64,55 +71,107 @@ class Role(enum.StrEnum):
         return self.value.lower()
 
 
-def group_count(num_attention: int, num_ffn: int) -> int:
+EXPERT_PARALLEL_FLAG = "--expert-parallel-size"
+
+
+def group_count(num_attention: int, num_ffn: int, groups: int | None = None) -> int:
+    """The number of FFN groups g: `groups`, checked against M and N, or min(M, N)."""
     if num_attention < 1 or num_ffn < 1:
         raise ValueError(f"need at least one worker per role, got {num_attention}:{num_ffn}")
-    return min(num_attention, num_ffn)
+    most = min(num_attention, num_ffn)
+    if groups is None:
+        return most
+    if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= most:
+        raise ValueError(
+            f"{groups!r} FFN groups for {num_attention}:{num_ffn} (attention:ffn): the number of "
+            f"groups must be in 1..{most} ({EXPERT_PARALLEL_FLAG} E sets it to N / E)"
+        )
+    return groups
 
 
-def ffn_ranks_for(attention_rank: int, num_attention: int, num_ffn: int) -> list[int]:
+def groups_for_expert_parallel(num_attention: int, num_ffn: int, expert_parallel_size: int) -> int:
+    """The number of FFN groups for expert-parallel size E (FFN ranks per group, each holding
+    1/E of the experts): N / E. ValueError, saying what to change, when E does not divide N or
+    leaves a group without an attention rank (N / E > M)."""
+    m, n, e = num_attention, num_ffn, expert_parallel_size
+    if m < 1 or n < 1:
+        raise ValueError(f"need at least one worker per role, got {m}:{n}")
+    if isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= n:
+        raise ValueError(
+            f"{EXPERT_PARALLEL_FLAG} {e!r} must be in 1..{n} (the FFN ranks, --expect-ffn)"
+        )
+    if n % e:
+        raise ValueError(
+            f"{EXPERT_PARALLEL_FLAG} {e} does not divide the {n} FFN ranks (--expect-ffn); "
+            f"use a divisor of {n}, such as {n} (one group: every FFN rank holds 1/{n} of the "
+            "experts)"
+        )
+    if n // e > m:
+        raise ValueError(
+            f"{EXPERT_PARALLEL_FLAG} {e} makes {n // e} FFN groups but there are only {m} "
+            f"attention ranks (--expect-attention) to feed them; use an expert-parallel size of "
+            f"at least {-(-n // m)} that divides {n}, or more attention ranks"
+        )
+    return n // e
+
+
+def ffn_ranks_for(
+    attention_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> list[int]:
     """FFN role ranks that attention rank `attention_rank` exchanges hidden states with."""
-    g = group_count(num_attention, num_ffn)
+    g = group_count(num_attention, num_ffn, groups)
     return [f for f in range(num_ffn) if f % g == attention_rank % g]
 
 
-def attention_ranks_for(ffn_rank: int, num_attention: int, num_ffn: int) -> list[int]:
+def attention_ranks_for(
+    ffn_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> list[int]:
     """Attention role ranks whose hidden states FFN rank `ffn_rank` receives, in rank order."""
-    g = group_count(num_attention, num_ffn)
+    g = group_count(num_attention, num_ffn, groups)
     return [a for a in range(num_attention) if a % g == ffn_rank % g]
 
 
-def ffn_group(ffn_rank: int, num_attention: int, num_ffn: int) -> list[int]:
+def ffn_group(
+    ffn_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> list[int]:
     """The FFN role ranks that serve the same attention ranks as `ffn_rank` (its group), in
-    rank order: with more FFN than attention ranks they split the experts between them."""
-    return ffn_ranks_for(sender_for(ffn_rank, num_attention, num_ffn), num_attention, num_ffn)
+    rank order: they split the experts between them."""
+    sender = sender_for(ffn_rank, num_attention, num_ffn, groups=groups)
+    return ffn_ranks_for(sender, num_attention, num_ffn, groups=groups)
 
 
-def sender_ranks(num_attention: int, num_ffn: int) -> list[int]:
+def sender_ranks(num_attention: int, num_ffn: int, *, groups: int | None = None) -> list[int]:
     """Attention role ranks that publish the per-step payload."""
-    return list(range(group_count(num_attention, num_ffn)))
+    return list(range(group_count(num_attention, num_ffn, groups)))
 
 
-def sender_for(ffn_rank: int, num_attention: int, num_ffn: int) -> int:
+def sender_for(
+    ffn_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> int:
     """The attention rank whose payloads FFN rank `ffn_rank` receives."""
-    return ffn_rank % group_count(num_attention, num_ffn)
+    return ffn_rank % group_count(num_attention, num_ffn, groups)
 
 
-def subscriber_ranks(sender_rank: int, num_attention: int, num_ffn: int) -> list[int]:
+def subscriber_ranks(
+    sender_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> list[int]:
     """FFN role ranks that receive what attention rank `sender_rank` publishes (none unless it
     is a sender)."""
-    return [f for f in range(num_ffn) if sender_for(f, num_attention, num_ffn) == sender_rank]
+    g = group_count(num_attention, num_ffn, groups)
+    return [f for f in range(num_ffn) if f % g == sender_rank]
 
 
-def peer_ranks(role: Role, role_rank: int, num_attention: int, num_ffn: int) -> tuple[int, ...]:
+def peer_ranks(
+    role: Role, role_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> tuple[int, ...]:
     """Role ranks of the other role that `role_rank` exchanges tensors with, ascending."""
     if role is Role.ATTENTION:
-        return tuple(ffn_ranks_for(role_rank, num_attention, num_ffn))
-    return tuple(attention_ranks_for(role_rank, num_attention, num_ffn))
+        return tuple(ffn_ranks_for(role_rank, num_attention, num_ffn, groups=groups))
+    return tuple(attention_ranks_for(role_rank, num_attention, num_ffn, groups=groups))
 
 
-def max_peers(role: Role, num_attention: int, num_ffn: int) -> int:
+def max_peers(role: Role, num_attention: int, num_ffn: int, *, groups: int | None = None) -> int:
     """Most peers any rank of `role` has: the number of receive areas its buffers hold."""
-    g = group_count(num_attention, num_ffn)
+    g = group_count(num_attention, num_ffn, groups)
     count = num_ffn if role is Role.ATTENTION else num_attention
     return -(-count // g)

@@ -122,12 +122,16 @@ class ControllerServer:
         await server.start()
         log.info(
             "afd-ctl listening on %s (tls=%s, token=%s); expecting %d attention, %d ffn; "
-            "NOT_SERVING until they register",
+            "NOT_SERVING until they register; routing: %d ffn group(s) (%s)",
             self.address,
             config.tls,
             "on" if config.auth_token else "off",
             config.expect_attention,
             config.expect_ffn,
+            config.ffn_groups,
+            f"--expert-parallel-size {config.expert_parallel_size}"
+            if config.expert_parallel_size
+            else "default min(M, N); --expert-parallel-size sets N / E",
         )
         if config.metrics_port:
             log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)

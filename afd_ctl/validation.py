@@ -29,7 +29,7 @@ def validate_payload(
         raise ControlError(
             "PERMISSION_DENIED",
             f"{sender.describe()} is not a designated sender; only attention role ranks below "
-            "min(M, N) publish payloads",
+            "the number of FFN groups (afd-ctl status) publish payloads",
             "NOT_A_SENDER",
         )
     if payload.sender_role_rank != sender.role_rank:

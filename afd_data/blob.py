@@ -98,6 +98,8 @@ def decode_blob(data: bytes, what: str = "peer blob") -> PeerBlob:
     if missing:
         raise AfdBadInput(f"{what}: missing or invalid field(s) {', '.join(missing)}")
     shape = {f.name: getattr(msg.shape, f.name) for f in blob_pb2.BufferShape.DESCRIPTOR.fields}
+    if not shape["ffn_groups"]:  # a worker older than the field routes with the default
+        shape["ffn_groups"] = min(shape["num_attention"], shape["num_ffn"])
     return PeerBlob(
         agent_name=msg.agent_name,
         agent_metadata=msg.agent_metadata,
@@ -125,10 +127,18 @@ def _gpu_endpoint(msg: Any, what: str) -> GpuEndpoint | None:
 PER_WORKER_SHAPE = frozenset({"num_stages"})
 
 
+# What a user changes when a shape field differs, where the field comes from elsewhere.
+SHAPE_SOURCES = {
+    "ffn_groups": "the FFN groups of the routing: afd-ctl serve --expert-parallel-size, or "
+    "TransportConfig.ffn_groups / AFD_DATA_FFN_GROUPS; every worker must use the same",
+}
+
+
 def shape_mismatches(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """Fields whose values differ, as "name: mine X, peer Y"."""
+    """Fields whose values differ, as "name: mine X, peer Y" (and where the field is set)."""
     return [
         f"{name}: this worker {mine[name]!r}, peer {theirs.get(name)!r}"
+        + (f" ({SHAPE_SOURCES[name]})" if name in SHAPE_SOURCES else "")
         for name in mine
         if name not in PER_WORKER_SHAPE and theirs.get(name) != mine[name]
     ]

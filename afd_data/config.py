@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from afd_ctl.config import parse_setting
+from afd_ctl.routing import group_count
 from afd_data.errors import AfdBadInput
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ class TransportConfig:
     # M attention and N FFN role ranks; the routing and buffer counts follow from them.
     num_attention: int = 1
     num_ffn: int = 1
+    # FFN groups of the routing (afd_ctl.routing): 1..min(M, N), the same on every worker (the
+    # vLLM extension takes afd-ctl's, from --expert-parallel-size). 0: min(M, N), the default;
+    # construction resolves it, so the field always holds the number in use.
+    ffn_groups: int = 0
     # Attention role rank = dp_rank * attention_tp_size + tp_rank.
     attention_tp_size: int = 1
     # --- bounds and polling --------------------------------------------------------------
@@ -109,6 +114,15 @@ class TransportConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise AfdBadInput(f"TransportConfig.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.ffn_groups, bool) or not isinstance(self.ffn_groups, int):
+            raise AfdBadInput(
+                f"TransportConfig.ffn_groups must be an integer, got {self.ffn_groups!r}"
+            )
+        try:
+            groups = group_count(self.num_attention, self.num_ffn, self.ffn_groups or None)
+        except ValueError as e:
+            raise AfdBadInput(f"TransportConfig.ffn_groups: {e}") from None
+        set_(self, "ffn_groups", groups)
         if self.num_stages not in (1, 2):
             raise AfdBadInput(f"TransportConfig.num_stages must be 1 or 2, got {self.num_stages!r}")
         if not isinstance(self.router_width, int) or self.router_width < 0:
@@ -156,6 +170,7 @@ class TransportConfig:
             "layers_in_flight": self.layers_in_flight,
             "num_attention": self.num_attention,
             "num_ffn": self.num_ffn,
+            "ffn_groups": self.ffn_groups,
             "attention_tp_size": self.attention_tp_size,
         }
 

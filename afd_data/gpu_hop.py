@@ -138,12 +138,12 @@ class GpuHop:
     def _map(self, cuda: Any, blob: PeerBlob) -> None:
         assert blob.gpu is not None
         mapping = cuda.ipc_open(blob.gpu.ipc_handle)
-        m, n = self.config.num_attention, self.config.num_ffn
+        m, n, g = self.config.num_attention, self.config.num_ffn, self.config.ffn_groups
         stages = int(blob.shape.get("num_stages") or 1)
         layout = BufferLayout(dataclasses.replace(self.config, num_stages=stages), Role.ATTENTION)
         self._peers[blob.role_rank] = _Mapped(
             rank=blob.role_rank,
-            my_pos=peer_ranks(Role.ATTENTION, blob.role_rank, m, n).index(self.rank),
+            my_pos=peer_ranks(Role.ATTENTION, blob.role_rank, m, n, groups=g).index(self.rank),
             mapping=mapping,
             base=mapping + blob.gpu.buffer_offset,
             flags=mapping + blob.gpu.flags_offset,

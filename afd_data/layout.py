@@ -83,7 +83,9 @@ class BufferLayout:
         self.config = config
         self.role = role
         self.num_slots = config.layers_in_flight * config.num_stages
-        self.num_peers = max_peers(role, config.num_attention, config.num_ffn)
+        self.num_peers = max_peers(
+            role, config.num_attention, config.num_ffn, groups=config.ffn_groups
+        )
         hidden_row = config.hidden_size * config.itemsize
         router_row = config.router_width * config.router_itemsize
         max_rows = config.max_tokens_per_peer

@@ -93,7 +93,8 @@ def validate_peers(
             raise AfdBadInput(
                 f"{where}: not routed to {role.label} rank {role_rank} "
                 f"(its peers are {other.label} ranks {list(ranks)} for "
-                f"M={config.num_attention}, N={config.num_ffn})"
+                f"M={config.num_attention}, N={config.num_ffn}, "
+                f"ffn_groups={config.ffn_groups})"
             )
         if spec.role_rank in by_rank:
             raise AfdBadInput(f"{where}: listed twice")
@@ -122,9 +123,13 @@ def validate_peers(
         table = peer_recv_table(
             layout,
             peer_layouts[stages],
-            peer_ranks(other, spec.role_rank, config.num_attention, config.num_ffn).index(
-                role_rank
-            ),
+            peer_ranks(
+                other,
+                spec.role_rank,
+                config.num_attention,
+                config.num_ffn,
+                groups=config.ffn_groups,
+            ).index(role_rank),
             blob.recv_bytes,
             where,
         )

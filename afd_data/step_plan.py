@@ -88,14 +88,18 @@ def plan_step(
 ) -> StepPlan:
     """The plan of one step for ``role_rank`` from validated counts."""
     m, n, tp = config.num_attention, config.num_ffn, config.attention_tp_size
-    mine = peer_ranks(role, role_rank, m, n)
+    g = config.ffn_groups
+    mine = peer_ranks(role, role_rank, m, n, groups=g)
     plan = StepPlan(counts=counts)
     for per_dp in counts:
         rows = [max(1, per_dp[a // tp]) for a in range(m)]
         if role is Role.ATTENTION:
             plan.my_rows.append(rows[role_rank])
             plan.offsets.append(
-                [sum(rows[a] for a in peer_ranks(Role.FFN, f, m, n) if a < role_rank) for f in mine]
+                [
+                    sum(rows[a] for a in peer_ranks(Role.FFN, f, m, n, groups=g) if a < role_rank)
+                    for f in mine
+                ]
             )
             plan.rows_by_rank.append({f: rows[role_rank] for f in mine})
         else:

@@ -122,7 +122,9 @@ def build_parts(
         role=role,
         role_rank=role_rank,
         config=config,
-        peer_ranks=peer_ranks(role, role_rank, config.num_attention, config.num_ffn),
+        peer_ranks=peer_ranks(
+            role, role_rank, config.num_attention, config.num_ffn, groups=config.ffn_groups
+        ),
         layout=layout,
         local=local,
         mem=local.mem,

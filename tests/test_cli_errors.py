@@ -77,6 +77,29 @@ def test_serve_with_the_metrics_port_in_use_names_the_metrics_port(busy_port: in
     assert_one_clear_line(out, 1, f"cannot serve metrics on 127.0.0.1:{busy_port} (--metrics-port)")
 
 
+def test_serve_with_an_expert_parallel_size_that_leaves_a_group_unfed_says_so_in_one_line():
+    out = serve("--listen", "127.0.0.1:0", "--expect-ffn", "2", "--expert-parallel-size", "1")
+    assert_one_clear_line(
+        out, 2, "--expert-parallel-size 1 makes 2 FFN groups but there are only 1 attention ranks"
+    )
+
+
+def test_status_shows_the_ffn_groups_of_the_expert_parallel_size(start_daemon, capsys):
+    """2:4 with --expert-parallel-size 4: one group that both attention ranks reach, in the
+    human status, the JSON, and what the vLLM extension reads at start-up."""
+    from vllm_ext.control import ControlAccess, ExpectedCounts, expected_counts
+
+    daemon = start_daemon(
+        "--expect-attention", "2", "--expect-ffn", "4", "--expert-parallel-size", "4"
+    )
+    assert cli(["status", "--controller", daemon.address]) == 0
+    assert "ffn groups  1 (expert-parallel size 4)" in capsys.readouterr().out
+    assert cli(["status", "--controller", daemon.address, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ffn_groups"] == 1
+    assert expected_counts(ControlAccess(daemon.address), 10) == ExpectedCounts(2, 4, 1)
+    assert "routing: 1 ffn group(s) (--expert-parallel-size 4)" in daemon.log()
+
+
 def test_status_json_has_every_field_with_numbers_as_numbers(start_daemon, capsys):
     daemon = start_daemon()
     assert cli(["status", "--controller", daemon.address, "--json"]) == 0
@@ -90,6 +113,7 @@ def test_status_json_has_every_field_with_numbers_as_numbers(start_daemon, capsy
         "ATTENTION": (0, 1),
         "FFN": (0, 1),
     }
+    assert status["ffn_groups"] == 1  # the default, min(M, N)
 
 
 def test_recent_events_carry_the_daemons_view(start_daemon, capsys):

@@ -33,6 +33,94 @@ def test_routing_covers_every_ratio(m: int, n: int, routes: list[list[int]], sen
         assert routing.attention_ranks_for(f, m, n) == [a for a in range(m) if f in routes[a]]
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "e", "routes", "senders"),
+    [
+        # One group: every attention rank reaches every FFN rank, each holding 1/N of experts.
+        (2, 2, 2, [[0, 1], [0, 1]], [0]),
+        (2, 4, 4, [[0, 1, 2, 3], [0, 1, 2, 3]], [0]),
+        (4, 2, 2, [[0, 1]] * 4, [0]),
+        # Two groups of four: attention ranks 0 and 2 feed FFN ranks 0, 2, 4, 6.
+        (4, 8, 4, [[0, 2, 4, 6], [1, 3, 5, 7], [0, 2, 4, 6], [1, 3, 5, 7]], [0, 1]),
+        # E = 1 where N <= M, and E = N / M where M divides N: today's default.
+        (3, 2, 1, [[0], [1], [0]], [0, 1]),
+        (2, 4, 2, [[0, 2], [1, 3]], [0, 1]),
+    ],
+)
+def test_expert_parallel_size_sets_the_groups(
+    m: int, n: int, e: int, routes: list[list[int]], senders: list[int]
+):
+    g = routing.groups_for_expert_parallel(m, n, e)
+    assert g == n // e
+    assert [routing.ffn_ranks_for(a, m, n, groups=g) for a in range(m)] == routes
+    assert routing.sender_ranks(m, n, groups=g) == senders
+    assert routing.max_peers(routing.Role.ATTENTION, m, n, groups=g) == e
+    assert routing.max_peers(routing.Role.FFN, m, n, groups=g) == -(-m // g)
+    for f in range(n):
+        assert len(routing.ffn_group(f, m, n, groups=g)) == e  # it holds 1/E of the experts
+        assert f in routing.subscriber_ranks(routing.sender_for(f, m, n, groups=g), m, n, groups=g)
+        assert routing.attention_ranks_for(f, m, n, groups=g) == [
+            a for a in range(m) if f in routes[a]
+        ]
+        assert routing.peer_ranks(routing.Role.FFN, f, m, n, groups=g) == tuple(
+            routing.attention_ranks_for(f, m, n, groups=g)
+        )
+    # The default (None) is min(M, N) groups, as before the setting existed.
+    assert routing.group_count(m, n) == min(m, n)
+    assert [routing.ffn_ranks_for(a, m, n) for a in range(m)] == [
+        routing.ffn_ranks_for(a, m, n, groups=min(m, n)) for a in range(m)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "e", "message"),
+    [
+        (2, 4, 3, "--expert-parallel-size 3 does not divide the 4 FFN ranks"),
+        (1, 4, 2, "makes 2 FFN groups but there are only 1 attention ranks"),
+        (2, 8, 2, "use an expert-parallel size of at least 4"),
+        (2, 2, 0, "--expert-parallel-size 0 must be in 1..2"),
+        (2, 2, 3, "--expert-parallel-size 3 must be in 1..2"),
+    ],
+)
+def test_expert_parallel_sizes_that_cannot_work_are_refused(m: int, n: int, e: int, message: str):
+    with pytest.raises(ValueError, match=message):
+        routing.groups_for_expert_parallel(m, n, e)
+    if e:  # the daemon's 0 is the default grouping
+        with pytest.raises(ValueError, match=message):
+            DaemonConfig(expect_attention=m, expect_ffn=n, expert_parallel_size=e)
+    with pytest.raises(ValueError, match="--expert-parallel-size -1 must be in 1..1"):
+        DaemonConfig(expert_parallel_size=-1)
+    for groups in (0, 3, -1):
+        with pytest.raises(ValueError, match=f"{groups} FFN groups for 2:2 .* must be in 1..2"):
+            routing.group_count(2, 2, groups)
+
+
+def test_the_daemon_routes_with_its_expert_parallel_size():
+    """2:2 with E = 2: one group, one sender; both attention ranks see both FFN ranks."""
+
+    async def scenario():
+        config = DaemonConfig(expect_attention=2, expect_ffn=2, expert_parallel_size=2)
+        assert config.ffn_groups == 1 and DaemonConfig(expect_ffn=2).ffn_groups == 1
+        assert DaemonConfig(expect_attention=2, expect_ffn=2).ffn_groups == 2  # default
+        c = Controller(config, first_epoch=100)
+        a0 = c.open_session(WorkerSpec("a0", ATTENTION, dp_rank=0, dp_size=2), "p")
+        a1 = c.open_session(WorkerSpec("a1", ATTENTION, dp_rank=1, dp_size=2), "p")
+        f0 = c.open_session(WorkerSpec("f0", FFN, dp_rank=0, dp_size=2), "p")
+        c.open_session(WorkerSpec("f1", FFN, dp_rank=1, dp_size=2), "p")
+        m = c.membership
+        assert m.ffn_groups == 1 and m.routes() == [(0, [0, 1]), (1, [0, 1])]
+        assert m.is_sender(a0.worker) and not m.is_sender(a1.worker)
+        assert [w.worker_id for w in m.peers_of(a1.worker)] == ["f0", "f1"]
+        assert [w.worker_id for w in m.peers_of(f0.worker)] == ["a0", "a1"]
+        assert [w.worker_id for w in m.subscribers_of(a0.worker)] == ["f0", "f1"]
+        view = c.view_for(a1.worker)
+        assert list(view.sender_ranks) == [0] and [len(r.ffn_ranks) for r in view.routes] == [2, 2]
+        assert c.status().ffn_groups == 1
+        assert make_controller(2, 2).status().ffn_groups == 2
+
+    run(scenario())
+
+
 def make_controller(m: int = 1, n: int = 1) -> Controller:
     return Controller(DaemonConfig(expect_attention=m, expect_ffn=n), first_epoch=100)
 
@@ -216,6 +304,14 @@ def test_config_reads_flags_then_environment_then_defaults():
     assert (config.listen, config.expect_ffn, config.liveness_timeout_s) == ("127.0.0.1:7", 3, 1.5)
     with pytest.raises(ValueError, match="AFD_CTL_EXPECT_FFN"):
         DaemonConfig.resolve({}, {"AFD_CTL_EXPECT_FFN": "two"})
+    env = {
+        "AFD_CTL_EXPECT_ATTENTION": "2",
+        "AFD_CTL_EXPECT_FFN": "4",
+        "AFD_CTL_EXPERT_PARALLEL_SIZE": "4",
+    }
+    config = DaemonConfig.resolve({"expert_parallel_size": None}, env)
+    assert (config.expert_parallel_size, config.ffn_groups) == (4, 1)
+    assert DaemonConfig.resolve({"expert_parallel_size": 2}, env).ffn_groups == 2
     with pytest.raises(ValueError, match="--listen"):
         DaemonConfig(listen="nocolon")
     with pytest.raises(ValueError, match="--tls-cert and --tls-key"):

@@ -138,6 +138,10 @@ def test_bad_daemon_flags_fail_fast_with_a_clear_message(tmp_path: Path):
         # Issue 22: the missing file first, not the missing --tls-key.
         (["--tls-cert", str(tmp_path / "missing.pem")], f"{tmp_path / 'missing.pem'}: no such"),
         (["--expect-ffn", "0"], "--expect-attention and --expect-ffn must be >= 1"),
+        (
+            ["--expect-ffn", "4", "--expert-parallel-size", "3"],
+            "--expert-parallel-size 3 does not divide the 4 FFN ranks",
+        ),
         (["--listen", "nowhere"], "--listen must be HOST:PORT or unix:PATH"),
     ):
         out = subprocess.run(
@@ -343,7 +347,5 @@ def test_vllm_start_up_query_fails_at_once_on_a_tls_mismatch(start_daemon, pki: 
     with pytest.raises(AfdCredentialsRefused, match=re.escape(f"signed by the CA in {wrong_ca}")):
         expected_counts(ControlAccess(daemon.address, ClientTls(wrong_ca)), timeout_s=120)
     assert time.monotonic() - start < 10
-    assert expected_counts(ControlAccess(daemon.address, ClientTls(str(pki / "ca.pem"))), 10) == (
-        1,
-        1,
-    )
+    counts = expected_counts(ControlAccess(daemon.address, ClientTls(str(pki / "ca.pem"))), 10)
+    assert counts == (1, 1, 1) and counts.ffn_groups == 1

@@ -102,13 +102,16 @@ def stop_all(daemon: Any, workers: list[Proc]) -> None:
 
 @pytest.fixture
 def spawn(procs: list[Proc], tmp_path: Path, start_daemon):
-    """Starts workers against one afd-ctl daemon, started with the first worker's M:N."""
+    """Starts workers against one afd-ctl daemon, started with the first worker's M:N (and its
+    FFN groups, as --expert-parallel-size N / groups)."""
     daemon: list[Any] = []
 
     def start(role: str, rank: int, config: dict[str, Any], *args: str) -> Proc:
         if not daemon:
             m, n = config.get("num_attention", 1), config.get("num_ffn", 1)
-            daemon.append(start_daemon("--expect-attention", str(m), "--expect-ffn", str(n)))
+            groups = config.get("ffn_groups")
+            ep = ("--expert-parallel-size", str(n // groups)) if groups else ()
+            daemon.append(start_daemon("--expect-attention", str(m), "--expect-ffn", str(n), *ep))
             start.daemon = daemon[0]  # type: ignore[attr-defined]
         return start_worker(procs, tmp_path, daemon[0].address, role, rank, config, *args)
 
@@ -133,6 +136,8 @@ CASES: list[tuple[int, int, int, dict[str, Any]]] = [
     (1, 2, 2, {}),
     (3, 2, 1, {"dtype": "float32"}),
     (3, 2, 2, {"router_width": 4, "router_dtype": "int32"}),
+    # One FFN group (--expert-parallel-size 2): both attention ranks reach both FFN ranks.
+    (2, 2, 2, {"ffn_groups": 1, "router_width": 4, "router_dtype": "int32"}),
 ]
 
 
@@ -140,7 +145,9 @@ CASES: list[tuple[int, int, int, dict[str, Any]]] = [
     ("m", "n", "stages", "extra"),
     CASES,
     ids=[
-        f"{m}to{n}-{s}stage-{e.get('dtype', 'bf16')}" + ("-router" if "router_width" in e else "")
+        f"{m}to{n}-{s}stage-{e.get('dtype', 'bf16')}"
+        + ("-router" if "router_width" in e else "")
+        + (f"-{e['ffn_groups']}group" if "ffn_groups" in e else "")
         for m, n, s, e in CASES
     ],
 )
@@ -184,7 +191,7 @@ def test_bytes_arrive_intact(spawn, m: int, n: int, stages: int, extra: dict[str
     for i in range(steps):
         counts = step_counts(seed, 1_000_000 + i, stages, m, cfg.max_tokens_per_peer)
         for a in range(m):
-            fan_out = len(peer_ranks(Role.ATTENTION, a, m, n))
+            fan_out = len(peer_ranks(Role.ATTENTION, a, m, n, groups=cfg.ffn_groups))
             expected += sum(max(1, counts[s][a]) for s in range(stages)) * fan_out
     expected *= layers * row_bytes
     assert sum(d["checked_bytes"] for d in done[:n]) == expected  # FFN side
@@ -470,6 +477,20 @@ def test_connect_refuses_bad_peers(pair) -> None:
         odd.close()
         dbo.close()
     assert cfg.shape_fields()["hidden_size"] == 16
+
+
+def test_connect_refuses_a_peer_of_other_ffn_groups(pair) -> None:
+    """2:2 as two pairs against an attention peer that routes 2:2 as one group: refused, naming
+    the setting, before anything changes."""
+    t, _ = pair("ffn", num_attention=2, num_ffn=2)
+    grouped = TransportConfig(**SMALL, num_attention=2, num_ffn=2, ffn_groups=1)
+    other = FakePeer(f"grouped-{os.getpid()}", Role.ATTENTION, 0, grouped)
+    try:
+        with pytest.raises(AfdBadInput, match="ffn_groups: this worker 2, peer 1 .*--expert-paral"):
+            t.connect(4, [other.spec()])
+        assert t.epoch == 3
+    finally:
+        other.close()
 
 
 def test_begin_step_refuses_bad_payloads(pair) -> None:

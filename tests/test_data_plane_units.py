@@ -195,3 +195,67 @@ def test_transport_takes_the_endpoint_of_its_role() -> None:
             assert type(t._endpoint) is cls
             with pytest.raises(AfdBadInput, match=f"{foreign}\\(\\) is for .* this is {role}"):
                 getattr(t, foreign)(0, 0, None)
+
+
+# ---------------------------------------------------------------------------- FFN groups
+
+
+def test_config_resolves_and_checks_the_ffn_groups() -> None:
+    from afd_data import TransportConfig
+
+    base = {"hidden_size": 8, "max_tokens_per_peer": 2, "num_attention": 2, "num_ffn": 4}
+    assert TransportConfig(**base).ffn_groups == 2  # 0: min(M, N), today's default
+    assert TransportConfig(**base, ffn_groups=1).shape_fields()["ffn_groups"] == 1
+    env = {"AFD_DATA_FFN_GROUPS": "1"}
+    assert TransportConfig.from_env(env, **base).ffn_groups == 1
+    assert TransportConfig.from_env(env, **base, ffn_groups=2).ffn_groups == 2  # flags win
+    for bad in (3, -1):
+        with pytest.raises(AfdBadInput, match=r"TransportConfig.ffn_groups: .* must be in 1..2"):
+            TransportConfig(**base, ffn_groups=bad)
+
+
+def test_step_plan_of_one_group_two_to_two() -> None:
+    """2:2 in one group (expert-parallel size 2): each attention rank writes its rows to both FFN
+    ranks, after the rows of attention rank 0; each FFN rank packs both attention ranks."""
+    from afd_data import TransportConfig
+    from afd_data.step_plan import PeerSlice, plan_step
+
+    cfg = TransportConfig(
+        hidden_size=8, max_tokens_per_peer=8, num_attention=2, num_ffn=2, ffn_groups=1
+    )
+    counts = [[3, 5]]
+    for a, rows, offset in ((0, 3, 0), (1, 5, 3)):
+        plan = plan_step(cfg, Role.ATTENTION, a, counts)
+        assert (plan.my_rows, plan.offsets) == ([rows], [[offset, offset]])
+        assert plan.rows_by_rank == [{0: rows, 1: rows}]
+    for f in (0, 1):
+        plan = plan_step(cfg, Role.FFN, f, counts)
+        assert plan.slices[0] == (PeerSlice(0, 0, 0, 3, 3), PeerSlice(1, 1, 3, 5, 5))
+        assert plan.total_rows == [8] and plan.rows_by_rank == [{0: 3, 1: 5}]
+    # The default grouping of 2:2 is two 1:1 pairs.
+    pairs = TransportConfig(hidden_size=8, max_tokens_per_peer=8, num_attention=2, num_ffn=2)
+    assert plan_step(pairs, Role.ATTENTION, 1, counts).offsets == [[0]]
+    assert plan_step(pairs, Role.FFN, 1, counts).slices[0] == (PeerSlice(1, 1, 0, 5, 5),)
+
+
+def test_layout_and_blob_carry_the_ffn_groups() -> None:
+    from afd_data import TransportConfig
+    from afd_data.blob import PeerBlob, decode_blob, encode_blob, shape_mismatches
+    from afd_data.layout import BufferLayout
+    from afd_data.v1 import blob_pb2
+
+    one = TransportConfig(hidden_size=8, max_tokens_per_peer=2, num_attention=2, num_ffn=2)
+    one = TransportConfig(**{**one.shape_fields(), "ffn_groups": 1})
+    pairs = TransportConfig(**{**one.shape_fields(), "ffn_groups": 2})
+    # An attention rank of one group receives an output from both FFN ranks.
+    assert BufferLayout(one, Role.ATTENTION).num_peers == 2
+    assert BufferLayout(pairs, Role.ATTENTION).num_peers == 1
+    blob = PeerBlob("a", b"md", Role.FFN, 1, "DRAM", 4096, 1024, 0, one.shape_fields())
+    assert decode_blob(encode_blob(blob)).shape["ffn_groups"] == 1
+    (diff,) = shape_mismatches(pairs.shape_fields(), one.shape_fields())
+    assert diff.startswith("ffn_groups: this worker 2, peer 1") and "--expert-parallel-size" in diff
+    # A worker older than the field sends 0: it routes with the default, min(M, N).
+    old = blob_pb2.DataPlaneBlob()
+    old.ParseFromString(encode_blob(blob))
+    old.shape.ffn_groups = 0
+    assert decode_blob(old.SerializeToString()).shape["ffn_groups"] == 2

@@ -70,7 +70,7 @@ class AttentionSession:
         model_config = self.vllm_config.model_config
         max_tokens = afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens
         access = ControlAccess.of(afd)
-        num_attention, num_ffn = expected_counts(access, afd.connect_timeout_s)
+        num_attention, num_ffn, ffn_groups = expected_counts(access, afd.connect_timeout_s)
         if num_attention != self.dp_size * self.tp_size:
             raise ValueError(
                 f"afd-ctl expects {num_attention} attention ranks but this server has "
@@ -83,6 +83,7 @@ class AttentionSession:
             dtype=model_config.dtype,
             num_attention=num_attention,
             num_ffn=num_ffn,
+            ffn_groups=ffn_groups,
             hidden_size=model_config.hf_config.hidden_size,
             max_tokens=max_tokens,
             timeout_s=afd.step_timeout_s,

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -42,6 +42,15 @@ REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 UNANSWERED_LOG_S = 10.0
 
 log = logging.getLogger(__name__)
+
+
+class ExpectedCounts(NamedTuple):
+    """What afd-ctl expects: M attention ranks, N FFN ranks, and the number of FFN groups its
+    routing uses (afd_ctl.routing; N / --expert-parallel-size, or min(M, N))."""
+
+    num_attention: int
+    num_ffn: int
+    ffn_groups: int
 
 
 class AfdCredentialsRefused(RuntimeError):
@@ -126,7 +135,7 @@ class StatusQuery:
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
 
-    def get(self, timeout_s: float) -> afd_pb2.GetStatusResponse:
+    def get(self, timeout_s: float) -> afd_pb2.Status:
         """Raises grpc.RpcError as the call does; AfdCredentialsRefused for wrong credentials."""
         from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
@@ -149,9 +158,9 @@ class StatusQuery:
         self._channel = self._stub = None
 
 
-def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
-    """(attention ranks M, FFN ranks N) the daemon expects, waiting for it to answer; wrong
-    credentials fail at once (AfdCredentialsRefused), saying so."""
+def expected_counts(access: ControlAccess, timeout_s: float) -> ExpectedCounts:
+    """(attention ranks M, FFN ranks N, FFN groups) the daemon expects, waiting for it to
+    answer; wrong credentials fail at once (AfdCredentialsRefused), saying so."""
     from afd_ctl.v1 import afd_pb2
 
     started = time.monotonic()
@@ -200,7 +209,9 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> tuple[int, int]:
     finally:
         query.close()
     counts = {r.role: r.expected for r in status.roles}
-    return counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
+    m, n = counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
+    # 0: a daemon older than the field, which routes with min(M, N) groups.
+    return ExpectedCounts(m, n, status.ffn_groups or min(m, n))
 
 
 def _token(path: str) -> str:

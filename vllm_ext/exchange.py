@@ -7,8 +7,9 @@ FFN side, per step: `begin_step(payload)`, per layer and stage `recv(layer, stag
 attention peer's rows, concatenated in role-rank order) and `send(layer, stage, out)` (each
 peer its slice), then `end_step()` before it idles.
 
-The transports are sized from M and N (attention and FFN ranks) before registering, because
-the rendezvous blob describes the buffers: `vllm_ext.control.expected_counts` asks the daemon.
+The transports are sized from M and N (attention and FFN ranks) and the FFN groups of the
+routing before registering, because the rendezvous blob describes the buffers:
+`vllm_ext.control.expected_counts` asks the daemon.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class StepShape:
 def _transport(name: str, role: Role, rank: int, *, num_attention: int, num_ffn: int,
                hidden_size: int, dtype: torch.dtype, max_tokens: int, timeout_s: float,
                router: tuple[int, str], attention_tp_size: int = 1,
-               num_stages: int | None = None) -> Any:  # fmt: skip
+               num_stages: int | None = None, ffn_groups: int | None = None) -> Any:  # fmt: skip
     from afd_data import NixlTransport, TransportConfig
 
     # AFD_DATA_<FIELD> environment variables tune the rest (polling, bounds, progress thread).
@@ -59,6 +60,7 @@ def _transport(name: str, role: Role, rank: int, *, num_attention: int, num_ffn:
         dtype=str(dtype),
         num_attention=num_attention,
         num_ffn=num_ffn,
+        ffn_groups=ffn_groups,  # afd-ctl's (vllm_ext.control.expected_counts); None: default
         recv_timeout_s=timeout_s,
         router_width=router[0],
         router_dtype=router[1],

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from afd_ctl.fingerprint import ModelFingerprint
-from vllm_ext.control import expected_counts
+from vllm_ext.control import ExpectedCounts, expected_counts
 from vllm_ext.step_timing import ExchangeTimings
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vllm_ext.control import ControlAccess
     from vllm_ext.exchange import _Exchange
 
-__all__ = ["PeerLink", "expected_counts", "model_fingerprint"]
+__all__ = ["ExpectedCounts", "PeerLink", "expected_counts", "model_fingerprint"]
 # Files of a local checkpoint whose bytes make its digest (small; the weights are not read).
 DIGEST_FILES = ("config.json", "model.safetensors.index.json")
 

@@ -385,7 +385,7 @@ class TapLag(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., include_payloads: _Optional[bool] = ..., queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., delivered: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state", "taps", "loads")
+    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state", "taps", "loads", "ffn_groups")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,7 @@ class Status(_message.Message):
     HEALTH_STATE_FIELD_NUMBER: _ClassVar[int]
     TAPS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    FFN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     health: str
     epoch: int
     controller_incarnation: str
@@ -414,7 +415,8 @@ class Status(_message.Message):
     health_state: Health
     taps: _containers.RepeatedCompositeFieldContainer[TapLag]
     loads: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
-    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ...) -> None: ...
+    ffn_groups: int
+    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., ffn_groups: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "role", "role_rank", "steps", "reports", "utilisation", "waiting_share", "compute_ms_per_step", "wait_ms_per_step", "send_ms_per_step", "tokens_per_step", "bytes_per_step", "layers", "reports_dropped")
