@@ -87,7 +87,7 @@ class FfnWorker:
         afd = self.afd
         hf = self.vllm_config.model_config.hf_config
         access = ControlAccess.of(afd)
-        num_attention, num_ffn = expected_counts(access, afd.connect_timeout_s)
+        num_attention, num_ffn, ffn_groups = expected_counts(access, afd.connect_timeout_s)
         if afd.ffn_rank >= num_ffn:
             raise ValueError(
                 f"afd ffn_rank {afd.ffn_rank} but afd-ctl expects {num_ffn} FFN ranks "
@@ -95,7 +95,7 @@ class FfnWorker:
             )
         if afd.metrics_port:
             self._metrics = serve_ffn_metrics(afd.metrics_host, afd.metrics_port)
-        shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn)
+        shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn, groups=ffn_groups)
         self.engine.finalize(shard, shards)
         self._exchange = FfnExchange(
             name=self.worker_id,
@@ -103,6 +103,7 @@ class FfnWorker:
             dtype=self.vllm_config.model_config.dtype,
             num_attention=num_attention,
             num_ffn=num_ffn,
+            ffn_groups=ffn_groups,
             hidden_size=hf.hidden_size,
             max_tokens=afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens,
             timeout_s=afd.step_timeout_s,
@@ -325,8 +326,11 @@ class FfnWorker:
         return self.step_runner.steps
 
 
-def expert_shard(ffn_rank: int, num_attention: int, num_ffn: int) -> tuple[int, int]:
+def expert_shard(
+    ffn_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> tuple[int, int]:
     """(shard, shards) of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
-    a % k == f % k with k = min(M, N); the FFN ranks of one group split the experts."""
-    group = routing.ffn_group(ffn_rank, num_attention, num_ffn)
+    a % g == f % g with g FFN groups (afd-ctl's --expert-parallel-size E: g = N / E; default
+    min(M, N)); the FFN ranks of one group split the experts."""
+    group = routing.ffn_group(ffn_rank, num_attention, num_ffn, groups=groups)
     return group.index(ffn_rank), len(group)
