@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vllm_ext import compat
-from vllm_ext.model_split import FfnStack, finalize_ffn_stack, load_ffn_stack
+from vllm_ext.ffn_stack import ExpertShard, FfnStack, finalize_ffn_stack, load_ffn_stack
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +34,23 @@ class FfnEngine:
     """Runs `layer`'s FFN over [tokens, hidden] inputs with the kernels a colocated run uses."""
 
     def __init__(
-        self, vllm_config: Any, *, init_distributed: bool = True, finalize: bool = True
+        self,
+        vllm_config: Any,
+        shard: ExpertShard | None = None,
+        *,
+        init_distributed: bool = True,
     ) -> None:
-        """Loads the weights; with finalize=False call `finalize(shard, shards)` before use
-        (an FFN rank learns its expert shard only when it registers)."""
+        """Builds and loads this rank's slice of the FFN half (`shard`: which of its group's
+        FFN ranks it is; the whole model by default)."""
         self.vllm_config = vllm_config
+        self.shard = shard or ExpertShard()
         with compat.seams().current_vllm_config(vllm_config):
             if init_distributed:
                 _init_one_rank_world(vllm_config)
-            self.stack: FfnStack = load_ffn_stack(vllm_config)
-        self.ready = False
+            self.stack: FfnStack = load_ffn_stack(vllm_config, self.shard)
+            finalize_ffn_stack(self.stack, vllm_config)
         self._step_stack: contextlib.ExitStack | None = None
         self._step_rows: int | None = None
-        if finalize:
-            self.finalize(0, 1)
         config = vllm_config.model_config.hf_config
         self.num_layers: int = config.num_hidden_layers
         self.hidden_size: int = config.hidden_size
@@ -57,19 +60,6 @@ class FfnEngine:
             from vllm_ext.testing import faults
 
             self.forward_layer = faults.with_fault(self.forward_layer, fault)  # type: ignore[method-assign]
-
-    def finalize(self, shard: int, shards: int) -> None:
-        if self.ready:
-            if (shard, shards) != self.shard:
-                raise RuntimeError(
-                    f"afd ffn: expert shard changed from {self.shard} to {(shard, shards)}; "
-                    "restart this FFN server"
-                )
-            return
-        with compat.seams().current_vllm_config(self.vllm_config):
-            finalize_ffn_stack(self.stack, self.vllm_config, shard, shards)
-        self.shard = (shard, shards)
-        self.ready = True
 
     @contextlib.contextmanager
     def step_scope(self) -> Iterator[None]:

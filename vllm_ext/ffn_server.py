@@ -30,6 +30,7 @@ from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
 from vllm_ext.exchange import FfnExchange
+from vllm_ext.ffn_stack import ExpertShard
 from vllm_ext.ffn_steps import FfnSteps
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
@@ -49,20 +50,13 @@ class FfnWorker:
     """One FFN rank. `run()` returns the process exit code."""
 
     def __init__(self, vllm_config: Any, afd: AfdConfig) -> None:
-        from vllm_ext.ffn_engine import FfnEngine
-
         self.vllm_config = vllm_config
         self.afd = afd
         self.worker_id = afd.worker_id or f"ffn-{afd.ffn_rank}-{os.getpid()}"
-        self.engine = FfnEngine(vllm_config, finalize=False)
-        if afd.gate == "attention":
-            self.engine.stack.use_given_router_logits()
-        # What each payload runs, and the counts (vllm_ext.ffn_steps).
-        self.step_runner = FfnSteps(
-            self.engine,
-            graphs=not vllm_config.model_config.enforce_eager,
-            worker_id=self.worker_id,
-        )
+        # The FFN half and what each payload runs: loaded in run(), once afd-ctl said which
+        # slice of the experts this rank holds (vllm_ext.ffn_stack, vllm_ext.ffn_steps).
+        self.engine: Any = None
+        self.step_runner: FfnSteps | None = None
         self._stop = threading.Event()
         # Told to afd-ctl when this server leaves (its peers' PEER_LOST says "left: ...").
         self._leave_reason = "ffn server exiting"
@@ -75,6 +69,18 @@ class FfnWorker:
         self._said_unreachable = False
         self._metrics = FfnMetrics(None)
         self._connects = 0
+
+    def _load(self, shard: ExpertShard) -> None:
+        from vllm_ext.ffn_engine import FfnEngine
+
+        self.engine = FfnEngine(self.vllm_config, shard)
+        if self.afd.gate == "attention":
+            self.engine.stack.use_given_router_logits()
+        self.step_runner = FfnSteps(
+            self.engine,
+            graphs=not self.vllm_config.model_config.enforce_eager,
+            worker_id=self.worker_id,
+        )
 
     def request_stop(self, reason: str) -> None:
         log.info("afd ffn %s: stop requested (%s)", self.worker_id, reason)
@@ -96,7 +102,7 @@ class FfnWorker:
         if afd.metrics_port:
             self._metrics = serve_ffn_metrics(afd.metrics_host, afd.metrics_port)
         shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn, groups=ffn_groups)
-        self.engine.finalize(shard, shards)
+        self._load(ExpertShard(shard, shards))
         self._exchange = FfnExchange(
             name=self.worker_id,
             rank=afd.ffn_rank,
@@ -283,7 +289,7 @@ class FfnWorker:
         return None
 
     def stats(self) -> dict[str, float]:
-        return self.step_runner.stats()
+        return self.step_runner.stats() if self.step_runner is not None else {}
 
     def close(self) -> None:
         log.info("afd ffn %s: stats %s", self.worker_id, json.dumps(self.stats()))
@@ -301,6 +307,7 @@ class FfnWorker:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
         assert self._link is not None
+        assert self.step_runner is not None
         self.step_runner.step_graphs.reset()  # they hold the previous peers' mapped addresses
         self._link.connect(view)
         self._metrics.connected(
@@ -319,11 +326,12 @@ class FfnWorker:
 
     def run_step(self, payload: Any) -> None:
         assert self._exchange is not None
+        assert self.step_runner is not None
         self.step_runner.run(payload, self._exchange, self._metrics, self._profiler)
 
     @property
     def steps(self) -> int:
-        return self.step_runner.steps
+        return self.step_runner.steps if self.step_runner is not None else 0
 
 
 def expert_shard(

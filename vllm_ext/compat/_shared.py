@@ -13,6 +13,7 @@ it unnecessary and when it can go, and each with the `SIGNATURES` of its targets
 - `deepseek_v2`: DeepSeek V2/V3's model module
 - `models`: the model registry, loader and the classes the families build from
 - `ffn_runtime`: what vLLM's layers expect around them in the FFN server
+- `expert_parallel`: an FFN rank holding and computing only its slice of the routed experts
 - `offline`: the public LLM API for vllm_ext.testing
 
 This module gathers them (the line modules, v0_26 and v0_32, re-export it and add what
@@ -27,6 +28,7 @@ from vllm_ext.compat import (
     deepseek_v2,
     engine_args,
     engine_core,
+    expert_parallel,
     ffn_runtime,
     forward_layers,
     micro_batching,
@@ -40,6 +42,7 @@ from vllm_ext.compat.api_server import *  # noqa: F403
 from vllm_ext.compat.deepseek_v2 import *  # noqa: F403
 from vllm_ext.compat.engine_args import *  # noqa: F403
 from vllm_ext.compat.engine_core import *  # noqa: F403
+from vllm_ext.compat.expert_parallel import *  # noqa: F403
 from vllm_ext.compat.ffn_runtime import *  # noqa: F403
 from vllm_ext.compat.forward_layers import *  # noqa: F403
 from vllm_ext.compat.micro_batching import *  # noqa: F403
@@ -60,6 +63,7 @@ SEAMS = (
     deepseek_v2,
     models,
     ffn_runtime,
+    expert_parallel,
     forward_layers,
     offline,
 )

@@ -70,3 +70,46 @@ def loaded_parameter_names(loaded: set[str]) -> set[str]:
     return loaded | {
         n.replace(".experts.", ".experts.routed_experts.", 1) for n in loaded if ".experts." in n
     }
+
+
+def localize_cpu_routing(model: Any) -> int:
+    """0.26's CPU MoE path (cpu_fused_moe.CPUFusedMOE) routes, then calls its
+    `forward_method(layer, x, topk_weights, topk_ids, global_num_experts, ...)`; that call gets
+    local ids. Its torch fallback (`forward_torch`, what float32 runs) counts a token once per
+    distinct expert id, so there other ranks' slots go to zero-output null experts appended to
+    the layer's per-expert lists, one per top-k slot."""
+    from vllm_ext.compat import expert_parallel
+
+    def wrap(layer: Any, expert_map: Any) -> None:
+        kernel = layer.quant_method.cpu_fused_moe
+        forward = getattr(kernel, "forward_method", None)
+        if forward is None:
+            raise ValueError(
+                "afd ffn: vLLM's SGL CPU MoE kernel (VLLM_CPU_SGL_KERNEL=1) cannot run an "
+                "expert-parallel FFN rank; unset VLLM_CPU_SGL_KERNEL"
+            )
+        if getattr(forward, "afd_local_routing", False):
+            return
+        local_count = int(layer.local_num_experts)
+        null_slots = forward == kernel.forward_torch
+        if null_slots:
+            for _ in range(layer.top_k):
+                layer.gate_up_linear.append(lambda x: x.new_zeros(x.shape[0], 2))
+                layer.down_linear.append(lambda x, h=layer.hidden_size: x.new_zeros(x.shape[0], h))
+
+        def local_forward(
+            layer_: Any, x: Any, weights: Any, ids: Any, activation: Any, n: int, *rest: Any
+        ) -> Any:
+            if null_slots:
+                weights, ids = expert_parallel.null_slot_routing(
+                    weights, ids, expert_map, local_count
+                )
+                n = local_count + ids.shape[1]
+            else:
+                weights, ids = expert_parallel.local_routing(weights, ids, expert_map)
+            return forward(layer_, x, weights, ids, activation, n, *rest)
+
+        local_forward.afd_local_routing = True  # type: ignore[attr-defined]
+        kernel.forward_method = local_forward
+
+    return expert_parallel.wrap_cpu_kernels(model, wrap)

@@ -57,3 +57,25 @@ def tie_lm_head(lm_head: Any, embed_tokens: Any) -> Any:
 def loaded_parameter_names(loaded: set[str]) -> set[str]:
     """The parameter names a model-level load_weights loaded: as reported on 0.32."""
     return loaded
+
+
+def localize_cpu_routing(model: Any) -> int:
+    """0.32's CPU MoE experts (experts/cpu_moe.py) are a modular kernel's `fused_experts`,
+    whose `apply(..., topk_weights=, topk_ids=, expert_map=, ...)` ignores the map; that call
+    gets local ids."""
+    from vllm_ext.compat import expert_parallel
+
+    def wrap(layer: Any, expert_map: Any) -> None:
+        experts = layer.quant_method.moe_kernel.fused_experts
+        apply = experts.apply
+        if getattr(apply, "afd_local_routing", False):
+            return
+
+        def local_apply(*args: Any, topk_weights: Any, topk_ids: Any, **kwargs: Any) -> Any:
+            weights, ids = expert_parallel.local_routing(topk_weights, topk_ids, expert_map)
+            return apply(*args, topk_weights=weights, topk_ids=ids, **kwargs)
+
+        local_apply.afd_local_routing = True  # type: ignore[attr-defined]
+        experts.apply = local_apply
+
+    return expert_parallel.wrap_cpu_kernels(model, wrap)

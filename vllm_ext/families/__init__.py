@@ -53,10 +53,16 @@ class Family:
         """The dtype of the router logits vLLM's gate returns."""
         raise NotImplementedError
 
+    def is_moe_layer(self, config: Any, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` has a MoE (else a dense MLP)."""
+        raise NotImplementedError
+
     def build_ffn_layer(
-        self, vllm_config: Any, layer_idx: int, prefix: str
+        self, vllm_config: Any, layer_idx: int, prefix: str, shared: bool = True
     ) -> tuple[nn.Module, bool]:
-        """(layer `layer_idx`'s MLP or MoE built with vLLM's own class, whether it is a MoE)."""
+        """(layer `layer_idx`'s MLP or MoE built with vLLM's own class, whether it is a MoE).
+        `shared=False`: a MoE without its shared experts (an FFN rank other than its group's
+        first holds only routed experts)."""
         raise NotImplementedError
 
     def prepare_ffn_stack(self, stack: nn.Module, vllm_config: Any) -> None:
@@ -69,7 +75,7 @@ class Family:
         raise NotImplementedError
 
     def shared_experts(self, mlp: nn.Module) -> nn.Module | None:
-        """A MoE layer's shared experts (kept whole on FFN shard 0), if any."""
+        """A MoE layer's shared experts (whole, on FFN shard 0 only), if any."""
         return None
 
     def dense_output(self, config: Any, out: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ embeddings and lm_head stay as vLLM built them.
 
 FFN role: `layers[i].mlp` built with vLLM's own DeepseekV2MoE/DeepseekV2MLP and loaded with
 DeepseekV2Model.load_weights from the `.mlp.` tensors. Dense layers: `first_k_dense_replace`,
-`moe_layer_freq`; shared experts kept whole on FFN shard 0.
+`moe_layer_freq`; shared experts whole, on FFN shard 0 only (vllm_ext.ffn_stack).
 """
 
 from __future__ import annotations
@@ -32,6 +32,18 @@ def _layer_idx(prefix: str) -> int:
     if match is None:
         raise ValueError(f"afd: cannot tell the layer of MLP prefix {prefix!r}")
     return int(match.group(1))
+
+
+class _Overlay:
+    """A model config with some attributes replaced (HF configs validate their fields, and
+    n_shared_experts may not be None there)."""
+
+    def __init__(self, config: Any, **replaced: Any) -> None:
+        self._config, self._replaced = config, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        replaced = self.__dict__["_replaced"]
+        return replaced[name] if name in replaced else getattr(self.__dict__["_config"], name)
 
 
 class DeepSeek(Family):
@@ -73,17 +85,21 @@ class DeepSeek(Family):
         dtype = compat.seams().deepseek_v2_module()._get_moe_router_dtype(config)
         return dtype or model_dtype
 
-    def build_ffn_layer(
-        self, vllm_config: Any, layer_idx: int, prefix: str
-    ) -> tuple[nn.Module, bool]:
-        dsv2 = compat.seams().deepseek_v2_module()
-        config = vllm_config.model_config.hf_config
-        is_moe = (
+    def is_moe_layer(self, config: Any, layer_idx: int) -> bool:
+        return (
             config.n_routed_experts is not None
             and layer_idx >= config.first_k_dense_replace
             and layer_idx % getattr(config, "moe_layer_freq", 1) == 0
         )
-        if is_moe:
+
+    def build_ffn_layer(
+        self, vllm_config: Any, layer_idx: int, prefix: str, shared: bool = True
+    ) -> tuple[nn.Module, bool]:
+        dsv2 = compat.seams().deepseek_v2_module()
+        config = vllm_config.model_config.hf_config
+        if self.is_moe_layer(config, layer_idx):
+            if not shared and config.n_shared_experts is not None:
+                config = _Overlay(config, n_shared_experts=None)  # then DeepseekV2MoE has none
             return dsv2.DeepseekV2MoE(
                 config=config,
                 parallel_config=vllm_config.parallel_config,

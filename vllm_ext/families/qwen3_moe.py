@@ -54,12 +54,20 @@ class Qwen3Moe(Family):
         """Qwen3MoeSparseMoeBlock's gate is a plain linear layer in the model's dtype."""
         return model_dtype
 
+    def is_moe_layer(self, config: Any, layer_idx: int) -> bool:
+        return _is_moe_layer(config, layer_idx)
+
     def build_ffn_layer(
-        self, vllm_config: Any, layer_idx: int, prefix: str
+        self, vllm_config: Any, layer_idx: int, prefix: str, shared: bool = True
     ) -> tuple[nn.Module, bool]:
         qwen3 = _qwen3()
         config = vllm_config.model_config.hf_text_config
         if _is_moe_layer(config, layer_idx):
+            if not shared and getattr(config, "shared_expert_intermediate_size", 0):
+                raise ValueError(
+                    "afd ffn: expert-parallel FFN ranks of a Qwen-MoE with a shared expert are "
+                    "not supported yet; serve it with one FFN rank per group"
+                )
             return qwen3.Qwen3MoeSparseMoeBlock(vllm_config=vllm_config, prefix=prefix), True
         return qwen3.Qwen3MoeMLP(
             hidden_size=config.hidden_size,
