@@ -47,6 +47,11 @@ Decode TPOT at several batch sizes, each part in one engine:
     python benchmarks/e2e_decode.py --gpu --part colocated_2gpu --state S.json  # (c) TP=2+EP
     python benchmarks/e2e_decode.py --gpu --part afd_dbo --state S.json         # (b) with DBO
 
+`afd_ep2` is (b) with two expert-parallel FFN servers (1 attention : 2 FFN, each holding half
+the routed experts, the shared expert and dense layer on the first): its rows carry
+`ratio_tpot_afd_ep2_vs_afd`, and the JSON each rank's `ffn_weight_bytes_per_rank` (and, from the
+FFN servers' start-up lines, `ffn_cuda_allocated_bytes_per_rank`) beside 1:1's
+(`ffn_weight_bytes_per_rank_afd`).
 `afd_dbo` is (b) with dual-batch overlap (`--enable-dbo`, vLLM's decode threshold of 32 rows:
 smaller batches run as one micro-batch). `--one-gpu` puts AFD's two servers on cuda:0 (a
 check of the path where only one GPU is lent; its figures are not the comparison).
@@ -93,7 +98,10 @@ from vllm_ext.testing.procs import ffn_argv, vllm_env  # noqa: E402
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
 STATS_RE = re.compile(r"afd ffn \S+: stats (\{.*\})")
-GPU_PARTS = ("colocated_1gpu", "afd", "afd_dbo", "colocated_2gpu")
+GPU_PARTS = ("colocated_1gpu", "afd", "afd_dbo", "afd_ep2", "colocated_2gpu")
+# The FFN server's start-up line with what it holds (vllm_ext.ffn_stack.finalize_ffn_stack).
+WEIGHTS_RE = re.compile(r"weights (\d+) bytes \(routed experts (\d+) of (\d+)")
+CUDA_RE = re.compile(r"cuda memory allocated (\d+) bytes")
 RUNNER = ROOT / "benchmarks" / "decode_runner.py"
 REFUSED_EXIT = 3
 
@@ -151,9 +159,13 @@ def gpu_part(part: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     main_gpus, ffn_gpus = ("0", "0") if args.one_gpu else ("0,1", "1,0")
     runner_extra = ["--gpu", "--batches", args.batches]
     with gpu_setup.part_processes() as procs:
+        ffn_ranks = 2 if part == "afd_ep2" else 1
+        ffn_procs: list[Proc] = []
         if afd_part:
             ffn_memory = gpu_setup.ONE_GPU.ffn_memory if args.one_gpu else args.gpu_memory
-            daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
+            daemon = Daemon(
+                tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", str(ffn_ranks)
+            )
             procs.append(daemon)
             ffn_flags = [
                 "--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "1024",
@@ -161,10 +173,16 @@ def gpu_part(part: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"]),
                 "--gpu-memory-utilization", str(ffn_memory),
             ]  # fmt: skip
-            argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-                    "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags]  # fmt: skip
-            procs.append(Proc(argv, tmp / "ffn.log", gpu_setup.gpu_env(ffn_gpus, extra)))
-            runner_extra += ["--ffn-log", str(tmp / "ffn.log")]
+            for rank in range(ffn_ranks):  # afd_ep2: each FFN server holds half the experts
+                argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+                        "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags,
+                        "--additional-config", json.dumps({"afd": {"ffn_rank": rank}})]  # fmt: skip
+                ffn_procs.append(
+                    Proc(argv, tmp / f"ffn{rank}.log", gpu_setup.gpu_env(ffn_gpus, extra))
+                )
+            procs.extend(ffn_procs)
+            # Late captures are counted from rank 0's log (both ranks get the same payloads).
+            runner_extra += ["--ffn-log", str(tmp / "ffn0.log")]
             afd: dict[str, Any] = {"role": "attention", "controller": daemon.address}
             if part == "afd_dbo":  # dual-batch overlap from vLLM's decode threshold on
                 kwargs["enable_dbo"] = True
@@ -187,10 +205,27 @@ def gpu_part(part: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         report["cudagraph_mode"] = args.cudagraph_mode or "vLLM default"
         if afd_part:
             main_proc.wait(120)  # its exit publishes stop: the FFN server logs its stats
-            procs[1].wait(60)
-            match = STATS_RE.search(procs[1].log())
+            for ffn in ffn_procs:
+                ffn.wait(60)
+            match = STATS_RE.search(ffn_procs[0].log())
             report["ffn_stats"] = json.loads(match.group(1)) if match else {}
+            report["ffn_ranks"] = ffn_ranks
+            report.update(ffn_holdings([f.log() for f in ffn_procs]))
     return report
+
+
+def ffn_holdings(logs: list[str]) -> dict[str, Any]:
+    """What each FFN rank said it holds at start-up: weight bytes, routed experts, and (CUDA)
+    the memory allocated once its weights were loaded."""
+    found: dict[str, Any] = {}
+    weights = [WEIGHTS_RE.search(log) for log in logs]
+    if all(weights):
+        found["ffn_weight_bytes_per_rank"] = [int(m.group(1)) for m in weights if m]
+        found["ffn_routed_experts_per_rank"] = [int(m.group(2)) for m in weights if m]
+    cuda = [CUDA_RE.search(log) for log in logs]
+    if all(cuda):
+        found["ffn_cuda_allocated_bytes_per_rank"] = [int(m.group(1)) for m in cuda if m]
+    return found
 
 
 def pooled(runs: list[dict[str, Any]], batch: str, key: str) -> list[float]:
@@ -240,9 +275,9 @@ def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, An
         p: sorted({r.get("cudagraph_mode", "vLLM default") for r in part_runs(state, p)})
         for p in done
     }
-    gpus = {"colocated_1gpu": 1, "afd": 2, "afd_dbo": 2, "colocated_2gpu": 2}
+    gpus = {"colocated_1gpu": 1, "afd": 2, "afd_dbo": 2, "afd_ep2": 3, "colocated_2gpu": 2}
     shared = [
-        p for p in ("afd", "afd_dbo")
+        p for p in ("afd", "afd_dbo", "afd_ep2")
         if any(r.get("placement") == gpu_setup.SHARED_PLACEMENT for r in part_runs(state, p))
     ]  # fmt: skip
     if shared:  # both AFD servers on one GPU: tokens/s per GPU counts the one
@@ -288,6 +323,10 @@ def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, An
             added = added_per_layer_us(tpot["afd"], base, args.layers)
             row["per_layer_added_us"] = round(added.value, 1)
             row["per_layer_added_us_range"] = [round(added.low, 1), round(added.high, 1)]
+        if "afd_ep2" in tpot and "afd" in tpot:  # 1 attention : 2 expert-parallel FFN vs 1:1
+            r = ratio(tpot["afd_ep2"], tpot["afd"])
+            row["ratio_tpot_afd_ep2_vs_afd"] = round(r.value, 3)
+            row["ratio_tpot_afd_ep2_vs_afd_range"] = [round(r.low, 3), round(r.high, 3)]
         if "afd_dbo" in tpot and "afd" in tpot:
             r = ratio(tpot["afd_dbo"], tpot["afd"])
             row["ratio_tpot_afd_dbo_vs_afd"] = round(r.value, 3)
@@ -311,6 +350,12 @@ def gpu_summary(state: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     ffn = afd_runs[-1].get("ffn_stats", {}) if afd_runs else {}
     if ffn:
         result["ffn_compute_ms_median_all_steps"] = ffn.get("compute_ms_median")
+    for part in ("afd", "afd_ep2"):  # what each FFN rank holds (the last run's start-up)
+        last = (part_runs(state, part) or [{}])[-1]
+        for key in ("ffn_ranks", "ffn_weight_bytes_per_rank", "ffn_routed_experts_per_rank",
+                    "ffn_cuda_allocated_bytes_per_rank"):  # fmt: skip
+            if key in last:
+                result[f"{key}_{part}" if part == "afd" else key] = last[key]
     if state.get("refusals"):
         result["runs_refused"] = state["refusals"]
     result["note"] = (

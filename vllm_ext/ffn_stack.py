@@ -212,10 +212,13 @@ def finalize_ffn_stack(stack: FfnStack, vllm_config: Any) -> None:
         seams.localize_cpu_routing(stack)
     stack.eval()
     held = stack.loaded_bytes
+    cuda = ""
+    if device.type == "cuda":
+        cuda = f"; cuda memory allocated {torch.cuda.memory_allocated(device)} bytes"
     experts = stack.n_routed_experts
     log.info(
         "afd ffn: %d FFN layers (%d MoE, %d held), %s: weights %d bytes (routed experts %d "
-        "of %d: %d bytes; gates, shared experts, dense MLPs: %d bytes)",
+        "of %d: %d bytes; gates, shared experts, dense MLPs: %d bytes)%s",
         len(stack.layers),
         sum(stack.is_moe),
         sum(stack.held),
@@ -225,4 +228,5 @@ def finalize_ffn_stack(stack: FfnStack, vllm_config: Any) -> None:
         experts,
         held["routed_experts"],
         held["other"],
+        cuda,
     )

@@ -3,7 +3,7 @@
 # each under its own time bound, logs and JSON into $OUT. Run it inside tests/gpu/with_mps.sh
 # on one GPU (the attention and FFN processes then run concurrently).
 #
-#   bash tests/gpu/speed_steps.sh STEP...   STEP: hop pairs failure e2e
+#   bash tests/gpu/speed_steps.sh STEP...   STEP: hop pairs failure e2e ep
 #
 # MODELS (default 2) and MODES (default default,full_decode_only) narrow the pairs step;
 # E2E_ARGS are extra benchmarks/e2e_decode.py arguments.
@@ -31,6 +31,15 @@ for step in "$@"; do
       timeout "${E2E_S:-540}" python3 "$ROOT/benchmarks/e2e_decode.py" --gpu --one-gpu \
         --state "$OUT/e2e_state.json" ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1 || rc=1
       tail -2 "$OUT/e2e.txt" | cut -c1-3000 ;;
+    ep)
+      # FFN compute per expert-parallel rank (1 and 2 ranks) at DeepSeek-V3 shapes, dummy
+      # weights, EP_LAYERS layers (default 2: the dense layer and one MoE layer).
+      python3 -c "import sys; sys.path.insert(0, '$ROOT'); from benchmarks import gpu_setup; \
+from pathlib import Path; gpu_setup.write_v3_shaped(Path('/tmp/afd-v3-ep'), ${EP_LAYERS:-2})" \
+        && timeout "${EP_S:-300}" python3 -m vllm_ext.testing.expert_shards /tmp/afd-v3-ep \
+          --splits 1,2 --dtype bfloat16 --load-format dummy --time --batches 16,64,256 \
+          > "$OUT/ep.txt" 2>&1 || rc=1
+      tail -1 "$OUT/ep.txt" | cut -c1-3000 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

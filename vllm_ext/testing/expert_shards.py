@@ -37,17 +37,26 @@ def forward_all(engine: Any, rows: Any) -> list[Any]:
 
 
 def timed(engine: Any, rows: Any, repeats: int) -> float:
-    """Median milliseconds of one forward over all layers."""
+    """Median milliseconds of one forward over all layers; on CUDA replayed as one CUDA graph,
+    as an FFN server runs a step (launch overheads out of the comparison)."""
     import torch
 
-    cuda = rows.is_cuda
+    run = lambda: forward_all(engine, rows)  # noqa: E731
+    if rows.is_cuda:
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay  # noqa: E731
     times = []
     for _ in range(repeats + 2):  # two warm-ups
-        if cuda:
+        if rows.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        forward_all(engine, rows)
-        if cuda:
+        run()
+        if rows.is_cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[2:])
@@ -109,10 +118,25 @@ def main(argv: list[str] | None = None) -> None:
         assert total is not None
         if whole is None:
             whole = total
-        worst = max(float((t - w).abs().max()) for t, w in zip(total, whole, strict=True))
-        scale = max(float(w.abs().max()) for w in whole)
-        splits[str(n)] = {"ranks": ranks, "sum_max_abs_diff": worst, "whole_max_abs": scale}
+        split: dict[str, Any] = {"ranks": ranks}
+        if args.load_format != "dummy":  # dummy weights differ per engine: no sum to check
+            split["sum_max_abs_diff"] = max(
+                float((t - w).abs().max()) for t, w in zip(total, whole, strict=True)
+            )
+            split["whole_max_abs"] = max(float(w.abs().max()) for w in whole)
+        if args.time:
+            split["slowest_rank_forward_ms"] = {
+                str(b): max(r["forward_ms"][str(b)] for r in ranks) for b in batches
+            }
+        splits[str(n)] = split
     report["splits"] = splits
+    if args.time and "1" in splits:  # FFN compute of the slowest rank against one rank's
+        one = splits["1"]["slowest_rank_forward_ms"]
+        report["compute_ratio_vs_1_rank"] = {
+            n: {b: round(ms / one[b], 3) for b, ms in v["slowest_rank_forward_ms"].items()}
+            for n, v in splits.items()
+            if n != "1"
+        }
     print(json.dumps(report), flush=True)
 
 
