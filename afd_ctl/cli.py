@@ -461,6 +461,7 @@ def format_tap(event: afd_pb2.TapEvent) -> str:
                 "is_warmup",
                 "is_graph_capturing",
                 "is_graph_replaying",
+                "records_only",
                 "is_profile",
                 "stop",
             )

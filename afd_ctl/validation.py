@@ -52,6 +52,12 @@ def validate_payload(
             f"attention rank {sender.role_rank} is {sender.last_step_id}",
             "STEP_NOT_INCREASING",
         )
+    if payload.records_only and not payload.is_graph_capturing:
+        raise invalid(
+            "records_only is set without is_graph_capturing; it marks a FULL-graph capture "
+            "step (set both, or neither)",
+            "INVALID_FLAGS",
+        )
     stages = payload.stages
     if len(stages) > MAX_STAGES:
         raise invalid_stages(

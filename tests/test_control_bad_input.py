@@ -33,6 +33,9 @@ def bad_payloads(step: int):
     p = make_payload(step, 2, 2)
     p.stages[2].CopyFrom(p.stages[1])
     yield "three stages", p, "INVALID_ARGUMENT", "stages has 3 entries"
+    p = base()
+    p.records_only = True
+    yield "records_only alone", p, "INVALID_ARGUMENT", "records_only is set without is_graph"
     yield "step backwards", make_payload(1, 2, 1), "INVALID_ARGUMENT", "step_id 1 does not increase"
 
 

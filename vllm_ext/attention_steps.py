@@ -91,8 +91,8 @@ class AttentionSteps:
         the engine fails the step's requests and stays up (vllm_ext.step_failures).
 
         `full_graph`: vLLM runs this step as a FULL CUDA graph. Capturing one records the
-        GPU-driven exchange without running it, so such a step is not published (the FFN
-        side has nothing to serve; it captures its own graphs when the replays come)."""
+        GPU-driven exchange without running it: such a step is published `records_only`, so
+        the FFN side captures its graph for the same token counts and runs nothing either."""
         if self.session.data_plane is None or self.session.client is None:
             raise RuntimeError("afd: attention session is closed")
         if self._shape is not None:
@@ -123,7 +123,7 @@ class AttentionSteps:
                     "afd: vLLM captures a FULL CUDA graph but the exchange is host-driven "
                     "(NIXL): it would be captured once and never run; vllm_ext bug"
                 )
-            if self.session.is_sender and not self._recorded:
+            if self.session.is_sender:
                 payload = make_payload(
                     self.step_id,
                     shape.stages,
@@ -131,6 +131,7 @@ class AttentionSteps:
                     is_profile=flags.is_profile,
                     is_graph_capturing=flags.is_graph_capturing,
                     is_graph_replaying=flags.is_graph_replaying,
+                    records_only=self._recorded,
                 )
                 self.session.client.publish(payload)
             self._shape, self._stage_rows = shape, stage_rows

@@ -7,8 +7,10 @@ host enqueueing each layer's operations and per-layer graphs (tens of microsecon
 which at 61 layers would pace the step from the host again).
 
 Graphs are keyed by the step's per-stage token counts (as the attention side keys its decode
-graphs) and captured the first time a capture or replay step of that shape comes, before it
-runs (the capture itself runs nothing; the graph is replayed right after). They hold the
+graphs). The attention side announces each FULL graph it records (`records_only` payloads,
+which run nothing on either side), so the FFN side captures the same shapes at start-up; a
+shape first seen on a replay or capture step is captured then, before it runs, and replayed
+right after. They hold the
 addresses of the attention peers' mapped buffers, so every reconnect drops them (`reset`).
 A step without a graph flag runs eagerly, layer by layer.
 """
@@ -44,32 +46,37 @@ class FfnStepGraphs:
             log.info("afd ffn: dropping %d step graph(s) at reconnect", len(self._graphs))
         self._graphs.clear()
 
+    def capture(self, key: Key, warm_up: Callable[[], None], enqueue: Callable[[], None],
+                late: bool = False) -> torch.cuda.CUDAGraph:  # fmt: skip
+        """The graph of step shape `key`, captured now if there is none: `warm_up` runs each
+        layer's compute once outside the graph (lazy initialisations), `enqueue` issues every
+        layer's operations (recorded, not run)."""
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        warm_up()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            enqueue()
+        self._pool = graph.pool()
+        self._graphs[key] = graph
+        self.captures += 1
+        if late:  # the first replay of a shape no capture step announced
+            self.late_captures += 1
+            log.info(
+                "afd ffn: token counts %s replayed, never captured here: capturing them now "
+                "(one step graph)",
+                key,
+            )
+        else:
+            self.keys_in_capture_steps.add(key)
+            log.info("afd ffn: captured the step graph for token counts %s", key)
+        return graph
+
     def run(self, key: Key, capture_step: bool, warm_up: Callable[[], None],
             enqueue: Callable[[], None]) -> None:  # fmt: skip
-        """Runs a step of shape `key` from its graph, capturing it first if needed: `warm_up`
-        runs each layer's compute once outside the graph (lazy initialisations), `enqueue`
-        issues every layer's operations (recorded into the graph)."""
-        graph = self._graphs.get(key)
-        if capture_step:
-            self.keys_in_capture_steps.add(key)
-        if graph is None:
-            warm_up()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                enqueue()
-            self._pool = graph.pool()
-            self._graphs[key] = graph
-            self.captures += 1
-            if capture_step:
-                log.info("afd ffn: captured the step graph for token counts %s", key)
-            else:  # the first replay of a FULL decode graph's shape (its capture ran nothing)
-                self.late_captures += 1
-                log.info(
-                    "afd ffn: token counts %s replayed, never captured here: capturing them now "
-                    "(one step graph)",
-                    key,
-                )
-        graph.replay()
+        """Runs a step of shape `key` from its graph, capturing it first if needed."""
+        self.capture(key, warm_up, enqueue, late=not capture_step).replay()
         self.replays += 1
 
     def stats(self) -> dict[str, int]:

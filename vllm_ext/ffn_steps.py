@@ -74,6 +74,11 @@ class FfnSteps:
             warmup=payload.is_warmup or payload.is_profile or payload.is_graph_capturing,
         )
         exchange.begin_step(shape)
+        if payload.records_only and exchange.path != "gpu":
+            raise RuntimeError(
+                "afd ffn: a records_only step (a FULL-graph capture of the GPU-driven exchange) "
+                "came on the host-driven path; the attention side's data plane disagrees"
+            )
         self.graphs.begin_step(payload)
         if exchange.path == "gpu":
             self._enqueue_gpu(payload, sorted(stages), exchange, metrics)
@@ -135,6 +140,10 @@ class FfnSteps:
 
         t0 = time.perf_counter()
         with self.engine.step_scope():
+            if payload.records_only:  # the attention side records a FULL graph: no rows come
+                if self.step_graphs.enabled:
+                    self.step_graphs.capture(graph_key(payload), warm_up, enqueue)
+                return
             if self.graphs.mode != EAGER and self.step_graphs.enabled:
                 self.step_graphs.run(graph_key(payload), self.graphs.mode == CAPTURE, warm_up,
                                      enqueue)  # fmt: skip

@@ -36,7 +36,7 @@ class DPMetadata(_message.Message):
     def __init__(self, num_tokens_across_dp: _Optional[_Iterable[int]] = ..., max_tokens_across_dp: _Optional[int] = ...) -> None: ...
 
 class AFDControlPayload(_message.Message):
-    __slots__ = ("step_id", "epoch", "sender_role_rank", "stages", "is_warmup", "is_graph_capturing", "is_graph_replaying", "is_profile", "stop")
+    __slots__ = ("step_id", "epoch", "sender_role_rank", "stages", "is_warmup", "is_graph_capturing", "is_graph_replaying", "is_profile", "stop", "records_only")
     class StagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class AFDControlPayload(_message.Message):
     IS_GRAPH_REPLAYING_FIELD_NUMBER: _ClassVar[int]
     IS_PROFILE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_ONLY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     epoch: int
     sender_role_rank: int
@@ -62,7 +63,8 @@ class AFDControlPayload(_message.Message):
     is_graph_replaying: bool
     is_profile: bool
     stop: bool
-    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., sender_role_rank: _Optional[int] = ..., stages: _Optional[_Mapping[int, DPMetadata]] = ..., is_warmup: _Optional[bool] = ..., is_graph_capturing: _Optional[bool] = ..., is_graph_replaying: _Optional[bool] = ..., is_profile: _Optional[bool] = ..., stop: _Optional[bool] = ...) -> None: ...
+    records_only: bool
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., sender_role_rank: _Optional[int] = ..., stages: _Optional[_Mapping[int, DPMetadata]] = ..., is_warmup: _Optional[bool] = ..., is_graph_capturing: _Optional[bool] = ..., is_graph_replaying: _Optional[bool] = ..., is_profile: _Optional[bool] = ..., stop: _Optional[bool] = ..., records_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model")
@@ -318,6 +320,7 @@ class PublishRejected(_message.Message):
         INVALID_STAGES: _ClassVar[PublishRejected.Reason]
         SET_INCOMPLETE: _ClassVar[PublishRejected.Reason]
         SESSION_ENDED: _ClassVar[PublishRejected.Reason]
+        INVALID_FLAGS: _ClassVar[PublishRejected.Reason]
     REASON_UNSPECIFIED: PublishRejected.Reason
     NOT_A_SENDER: PublishRejected.Reason
     WRONG_SENDER_RANK: PublishRejected.Reason
@@ -326,6 +329,7 @@ class PublishRejected(_message.Message):
     INVALID_STAGES: PublishRejected.Reason
     SET_INCOMPLETE: PublishRejected.Reason
     SESSION_ENDED: PublishRejected.Reason
+    INVALID_FLAGS: PublishRejected.Reason
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
