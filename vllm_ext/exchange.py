@@ -210,6 +210,7 @@ class AttentionExchange(_Exchange):
     def stats(self) -> dict[str, float]:
         n = max(1, self.exchanges)
         return {
+            "gpu_driven": float(self.path == "gpu"),
             "exchanges": self.exchanges,
             "post_us_per_layer": 1e6 * self.post_s / n,
             "wait_us_per_layer": 1e6 * self.wait_s / n,
