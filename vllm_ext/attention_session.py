@@ -23,6 +23,7 @@ from vllm_ext.exchange import AttentionExchange
 from vllm_ext.metrics import AttentionMetrics, worker_files
 from vllm_ext.peer_link import PeerLink, expected_counts
 from vllm_ext.step_profiler import StepProfiler
+from vllm_ext.tp_group import FollowerSteps
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,10 @@ class AttentionSession:
         self.dp_rank: int = parallel.data_parallel_rank
         self.dp_size: int = parallel.data_parallel_size
         self.tp_size: int = parallel.tensor_parallel_size
-        # Attention TP: every TP rank is its own attention role rank (dp_rank * tp + tp_rank)
-        # and exchanges its (replicated) rows itself, so no broadcast inside the TP group.
+        # Attention TP: TP rank 0 is the group's attention role rank (its dp_rank) and exchanges
+        # for the group; the others take its FFN outputs (vllm_ext.tp_group).
         self.tp_rank: int = _tp_rank() if self.tp_size > 1 else 0
+        self.leader = self.tp_rank == 0
         self.worker_id = _worker_id(afd.worker_id, self.dp_rank, self.dp_size, self.tp_rank,
                                     self.tp_size)  # fmt: skip
         hf = vllm_config.model_config.hf_config
@@ -57,13 +59,23 @@ class AttentionSession:
         self.profiler: Any = None
         self.metrics = AttentionMetrics(None)
         # The step state machine (vllm_ext.attention_steps): the runner drives it.
-        self.steps = AttentionSteps(self)
+        self.steps: Any = AttentionSteps(self) if self.leader else FollowerSteps(self.worker_id)
+        self._path: str | None = None  # a TP follower's: its leader's (set_path)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         from afd_ctl.client import WorkerSpec
 
         afd = self.afd
+        if not self.leader:
+            log.info(
+                "afd attention %s: TP rank %d of %d takes its FFN outputs from TP rank 0, "
+                "which exchanges for the group",
+                self.worker_id,
+                self.tp_rank,
+                self.tp_size,
+            )
+            return
         # An engine that ends without shutting its workers down (vLLM 0.26's in-process LLM
         # has no finalizer for that) still sends stop, so the FFN servers exit cleanly.
         atexit.register(self.close)
@@ -71,12 +83,14 @@ class AttentionSession:
         max_tokens = afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens
         access = ControlAccess.of(afd)
         num_attention, num_ffn, ffn_groups = expected_counts(access, afd.connect_timeout_s)
-        if num_attention != self.dp_size * self.tp_size:
+        if num_attention != self.dp_size:
             raise ValueError(
-                f"afd-ctl expects {num_attention} attention ranks but this server has "
-                f"data parallel size {self.dp_size} x tensor parallel size {self.tp_size}"
+                f"afd-ctl expects {num_attention} attention ranks but this server has data "
+                f"parallel size {self.dp_size} (one attention rank per data-parallel rank: TP "
+                f"rank 0 of each TP group of {self.tp_size} exchanges for it); start afd-ctl "
+                f"with --expect-attention {self.dp_size}"
             )
-        self.role_rank = self.dp_rank * self.tp_size + self.tp_rank
+        self.role_rank = self.dp_rank
         self.data_plane = AttentionExchange(
             name=self.worker_id,
             rank=self.role_rank,
@@ -89,7 +103,6 @@ class AttentionSession:
             timeout_s=afd.step_timeout_s,
             warmup_timeout_s=afd.warmup_timeout_s,
             router=model_split.router_columns(model_config.hf_config, model_config.dtype, afd.gate),
-            attention_tp_size=self.tp_size,
             # Two micro-batches per step under vLLM's dual-batch overlap; else the default
             # (AFD_DATA_NUM_STAGES, 1).
             num_stages=2 if self.vllm_config.parallel_config.enable_dbo else None,
@@ -99,8 +112,6 @@ class AttentionSession:
             role=Role.ATTENTION,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
         )
         self._link = PeerLink(
             access, spec, self.data_plane, f"attention rank {self.role_rank}", self.vllm_config
@@ -135,8 +146,14 @@ class AttentionSession:
 
     @property
     def exchange_path(self) -> str:
-        """ "gpu" or "nixl": the path the data plane chose at connect."""
-        return self.data_plane.path if self.data_plane is not None else "nixl"
+        """ "gpu" or "nixl": the path the data plane chose at connect (a TP follower's: its
+        leader's, once set_path said it)."""
+        if self.data_plane is not None:
+            return str(self.data_plane.path)
+        return self._path or "nixl"
+
+    def set_path(self, path: str) -> None:
+        self._path = path
 
     def stats(self) -> dict[str, float]:
         """The data plane's per-layer split on this rank (see AttentionExchange.stats)."""

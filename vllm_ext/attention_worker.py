@@ -29,7 +29,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from vllm_ext import compat, hooks, model_split
+from vllm_ext import compat, hooks, model_split, tp_group
 from vllm_ext.attention_session import AttentionSession
 from vllm_ext.attention_steps import StepFlags
 from vllm_ext.config import from_vllm_config
@@ -72,7 +72,13 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
         session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
         session.start()
         self._afd_session = session
-        model_split.bind_proxies(built, session.steps.exchange)  # the op finds them by name
+        exchange = session.steps.exchange if session.leader else None
+        if session.tp_size > 1:  # one exchange per TP group (vllm_ext.tp_group)
+            session.set_path(
+                tp_group.agreed_path(session.exchange_path if session.leader else None)
+            )
+            exchange = tp_group.group_exchange(exchange)
+        model_split.bind_proxies(built, exchange)  # the op finds them by name
         # The exchange path is known now, before vLLM resolves its CUDA graph mode (at KV
         # cache set-up): FULL graphs need the GPU-driven exchange.
         hooks.graphs_for_exchange_path(self.vllm_config, session.exchange_path)  # type: ignore[attr-defined]

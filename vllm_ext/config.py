@@ -50,8 +50,8 @@ class AfdConfig:
     # side computes the router logits and sends them with the hidden states). Both roles must
     # say the same; the data plane refuses peers that disagree.
     gate: str = "ffn"
-    # FFN role: the attention servers' --tensor-parallel-size (each attention TP rank is its
-    # own peer). The attention role takes it from vLLM.
+    # No longer needed (accepted, warned about and ignored): TP rank 0 of an attention server
+    # exchanges for its TP group (vllm_ext.tp_group), so FFN servers need not know the TP size.
     attention_tp_size: int = 1
     # FFN role: micro-batches per step this server's data plane carries. 2 (the default)
     # follows attention servers with or without dual-batch overlap, for twice the receive and

@@ -156,8 +156,7 @@ class _Exchange:
             raise AfdBadInput(
                 f"{exc}. With vLLM these follow from settings both roles must share: --dtype, "
                 "the model (hidden size, experts), afd max_tokens (or --max-num-batched-tokens), "
-                "afd gate, and on the FFN servers afd attention_tp_size = the attention servers' "
-                "--tensor-parallel-size"
+                "and afd gate"
             ) from None
 
     def begin_step(self, shape: StepShape) -> None:

@@ -101,6 +101,9 @@ class FfnWorker:
             )
         if afd.metrics_port:
             self._metrics = serve_ffn_metrics(afd.metrics_host, afd.metrics_port)
+        if afd.attention_tp_size > 1:
+            log.warning("afd ffn: attention_tp_size %d is not needed and is ignored: TP rank 0 "
+                        "of an attention server exchanges for its TP group", afd.attention_tp_size)  # fmt: skip
         shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn, groups=ffn_groups)
         self._load(ExpertShard(shard, shards))
         self._exchange = FfnExchange(
@@ -115,7 +118,6 @@ class FfnWorker:
             timeout_s=afd.step_timeout_s,
             warmup_timeout_s=afd.warmup_timeout_s,
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
-            attention_tp_size=afd.attention_tp_size,
             num_stages=afd.num_stages,
         )
         spec = WorkerSpec(self.worker_id, Role.FFN, dp_rank=afd.ffn_rank, dp_size=num_ffn)

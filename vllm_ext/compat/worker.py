@@ -21,6 +21,8 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vllm.v1.worker.cpu_worker", "CPUWorker.init_device", ("self",)),
     ("vllm.v1.worker.gpu_worker", "Worker.init_device", ("self",)),
     ("vllm.distributed", "get_tensor_model_parallel_rank", ()),
+    ("vllm.distributed", "tensor_model_parallel_all_reduce", ("input_",)),
+    ("vllm.distributed", "get_tp_group", ()),
 ]
 
 
@@ -76,3 +78,23 @@ def tensor_parallel_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
+
+
+def tensor_parallel_all_reduce(tensor: Any) -> Any:
+    """vLLM's own TP all-reduce (its CPU and CUDA communicators; captured in CUDA graphs as
+    its model's all-reduces are): the sum over the TP group, as a new tensor."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(tensor)
+
+
+def tensor_parallel_sum_on_host(value: int) -> int:
+    """The sum of `value` over the TP group, on its host-side (gloo) group: for settings the
+    TP ranks must agree on at start-up."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    total = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(total, group=get_tp_group().cpu_group)
+    return int(total.item())
