@@ -59,7 +59,7 @@ class AttentionSession:
         self.profiler: Any = None
         self.metrics = AttentionMetrics(None)
         # The step state machine (vllm_ext.attention_steps): the runner drives it.
-        self.steps: Any = AttentionSteps(self) if self.leader else FollowerSteps(self.worker_id)
+        self.steps: Any = AttentionSteps(self) if self.leader else FollowerSteps()
         self._path: str | None = None  # a TP follower's: its leader's (set_path)
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -43,11 +43,10 @@ class FfnEngine:
         """Builds and loads this rank's slice of the FFN half (`shard`: which of its group's
         FFN ranks it is; the whole model by default)."""
         self.vllm_config = vllm_config
-        self.shard = shard or ExpertShard()
         with compat.seams().current_vllm_config(vllm_config):
             if init_distributed:
                 _init_one_rank_world(vllm_config)
-            self.stack: FfnStack = load_ffn_stack(vllm_config, self.shard)
+            self.stack: FfnStack = load_ffn_stack(vllm_config, shard or ExpertShard())
             finalize_ffn_stack(self.stack, vllm_config)
         self._step_stack: contextlib.ExitStack | None = None
         self._step_rows: int | None = None

@@ -104,8 +104,8 @@ class FfnWorker:
         if afd.attention_tp_size > 1:
             log.warning("afd ffn: attention_tp_size %d is not needed and is ignored: TP rank 0 "
                         "of an attention server exchanges for its TP group", afd.attention_tp_size)  # fmt: skip
-        shard, shards = expert_shard(afd.ffn_rank, num_attention, num_ffn, groups=ffn_groups)
-        self._load(ExpertShard(shard, shards))
+        shard = expert_shard(afd.ffn_rank, num_attention, num_ffn, groups=ffn_groups)
+        self._load(shard)
         self._exchange = FfnExchange(
             name=self.worker_id,
             rank=afd.ffn_rank,
@@ -132,12 +132,10 @@ class FfnWorker:
         try:
             registered = self._link.register(timeout_s=afd.connect_timeout_s)
             log.info(
-                "afd ffn %s: registered as ffn rank %d (expert shard %d of %d); "
-                "waiting for the expected set",
+                "afd ffn %s: registered as ffn rank %d (%s); waiting for the expected set",
                 self.worker_id,
                 registered.worker.role_rank,
                 shard,
-                shards,
             )
             view = self._wait_for_peers(after_epoch=0)
             if view is None:
@@ -338,9 +336,9 @@ class FfnWorker:
 
 def expert_shard(
     ffn_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
-) -> tuple[int, int]:
-    """(shard, shards) of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
+) -> ExpertShard:
+    """The expert shard of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
     a % g == f % g with g FFN groups (afd-ctl's --expert-parallel-size E: g = N / E; default
     min(M, N)); the FFN ranks of one group split the experts."""
     group = routing.ffn_group(ffn_rank, num_attention, num_ffn, groups=groups)
-    return group.index(ffn_rank), len(group)
+    return ExpertShard(group.index(ffn_rank), len(group))

@@ -32,7 +32,6 @@ from vllm_ext.model_split import family
 
 log = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
 _SHARED = re.compile(r"(^|\.)layers\.\d+\.mlp\.shared_expert")
 _ROUTED_PARAM = re.compile(r"\.mlp\.experts\.")
 
@@ -110,8 +109,8 @@ class FfnStack(nn.Module):
         """Whether checkpoint tensor `name` is this rank's (an FFN tensor of a layer it holds;
         shared experts only on rank 0). Other ranks' routed experts are skipped by vLLM's
         loader itself (its expert map)."""
-        match = _LAYER.search(name)
-        if match is None or not self.family.is_ffn_weight(name):
+        match = self.family.ffn_weight.search(name)
+        if match is None:
             return False
         if not self.held[int(match.group(2))]:
             return False

@@ -13,6 +13,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,11 +75,9 @@ class FfnSteps:
             warmup=payload.is_warmup or payload.is_profile or payload.is_graph_capturing,
         )
         exchange.begin_step(shape)
-        if payload.records_only and exchange.path != "gpu":
-            raise RuntimeError(
-                "afd ffn: a records_only step (a FULL-graph capture of the GPU-driven exchange) "
-                "came on the host-driven path; the attention side's data plane disagrees"
-            )
+        if payload.records_only:  # the attention side records a FULL graph: no rows come
+            self._capture_recorded(payload, sorted(stages), exchange)
+            return
         self.graphs.begin_step(payload)
         if exchange.path == "gpu":
             self._enqueue_gpu(payload, sorted(stages), exchange, metrics)
@@ -115,13 +114,12 @@ class FfnSteps:
             log.info("afd ffn %s: %d steps served (last %d%s)", self.worker_id, self.steps,
                      step_id, note)  # fmt: skip
 
-    def _enqueue_gpu(
-        self, payload: Any, stages: list[int], exchange: FfnExchange, metrics: FfnMetrics
-    ) -> None:
-        """The GPU-driven path: every layer of the step goes onto the stream at once (wait for
-        the rows, compute, answer: afd_data.gpu_hop), and the host moves on to the next
-        payload; `GpuPath.check` notices a step that overruns its bound. The host's time here
-        is enqueueing, counted as compute."""
+    def _gpu_step_ops(
+        self, stages: list[int], exchange: FfnExchange
+    ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """(warm_up, enqueue) of a GPU-driven step: each layer's compute once outside any
+        graph (lazy initialisations), and every layer's stream operations (afd_data.gpu_hop:
+        wait for the rows, compute, answer)."""
         assert exchange.gpu is not None
         gpu, plan = exchange.gpu, exchange.plan
         layers = [(layer, stage) for layer in range(self.engine.num_layers) for stage in stages]
@@ -134,16 +132,35 @@ class FfnSteps:
             for layer, stage in layers:
                 gpu.run_layer(layer, stage, plan, lambda x, r, layer=layer: run(layer, x, r))
 
-        def warm_up() -> None:  # each layer's compute once, outside the graph
+        def warm_up() -> None:
             for layer, stage in layers:
                 run(layer, *gpu.hop.ffn_inputs(layer, stage, plan.slices[stage]))
 
+        return warm_up, enqueue
+
+    def _capture_recorded(self, payload: Any, stages: list[int], exchange: FfnExchange) -> None:
+        """A records_only step: the attention side records a FULL graph for these token
+        counts and runs nothing, so this side captures its step graph and runs nothing."""
+        if exchange.path != "gpu":
+            raise RuntimeError(
+                "afd ffn: a records_only step (a FULL-graph capture of the GPU-driven exchange) "
+                "came on the host-driven path; the attention side's data plane disagrees"
+            )
+        if self.step_graphs.enabled:
+            with self.engine.step_scope():
+                self.step_graphs.capture(graph_key(payload), *self._gpu_step_ops(stages, exchange))
+
+    def _enqueue_gpu(
+        self, payload: Any, stages: list[int], exchange: FfnExchange, metrics: FfnMetrics
+    ) -> None:
+        """The GPU-driven path: every layer of the step goes onto the stream at once, and the
+        host moves on to the next payload; `GpuPath.check` notices a step that overruns its
+        bound. The host's time here is enqueueing, counted as compute."""
+        assert exchange.gpu is not None
+        gpu = exchange.gpu
+        warm_up, enqueue = self._gpu_step_ops(stages, exchange)
         t0 = time.perf_counter()
         with self.engine.step_scope():
-            if payload.records_only:  # the attention side records a FULL graph: no rows come
-                if self.step_graphs.enabled:
-                    self.step_graphs.capture(graph_key(payload), warm_up, enqueue)
-                return
             if self.graphs.mode != EAGER and self.step_graphs.enabled:
                 self.step_graphs.run(graph_key(payload), self.graphs.mode == CAPTURE, warm_up,
                                      enqueue)  # fmt: skip

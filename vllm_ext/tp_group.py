@@ -64,10 +64,8 @@ class FollowerSteps:
     that each forward runs the rows its step was opened for, and nothing else (the leader
     publishes and exchanges for the group)."""
 
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
+    def __init__(self) -> None:
         self.step_id = 0
-        self.flag_counts: dict[str, int] = {}
         self._rows: list[int] = []
 
     def open_step(

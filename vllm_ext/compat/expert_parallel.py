@@ -81,11 +81,16 @@ def local_expert_count(model: Any) -> int:
     return int(found[0].local_num_experts) if found else 0
 
 
+def _local_ids(topk_ids: Any, expert_map: Any) -> tuple[Any, Any]:
+    """(each top-k slot's local expert id, -1 where another rank holds it; that mask)."""
+    local = expert_map[topk_ids.long()]
+    return local, local < 0
+
+
 def local_routing(topk_weights: Any, topk_ids: Any, expert_map: Any) -> tuple[Any, Any]:
     """Top-k routing in local expert ids: other ranks' slots point at local expert 0 with
     weight 0, so a kernel that reads every slot adds exactly this rank's partial sum."""
-    local = expert_map[topk_ids.long()]
-    elsewhere = local < 0
+    local, elsewhere = _local_ids(topk_ids, expert_map)
     return topk_weights.masked_fill(elsewhere, 0), local.clamp(min=0).to(topk_ids.dtype)
 
 
@@ -96,8 +101,7 @@ def null_slot_routing(
     elsewhere points at null expert `local_count + j` (one that computes zeros), weight 0."""
     import torch
 
-    local = expert_map[topk_ids.long()]
-    elsewhere = local < 0
+    local, elsewhere = _local_ids(topk_ids, expert_map)
     slots = torch.arange(topk_ids.shape[1], device=topk_ids.device) + local_count
     ids = torch.where(elsewhere, slots.to(local.dtype).expand_as(local), local)
     return topk_weights.masked_fill(elsewhere, 0), ids.to(topk_ids.dtype)

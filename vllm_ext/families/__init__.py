@@ -38,7 +38,8 @@ class Family:
     attention_architecture: str | None = None
     attention_model: str | None = None
     # Checkpoint tensors of the FFN side (skipped by the attention side), and the router gate's
-    # (loaded by the attention side when the gate runs there).
+    # (loaded by the attention side when the gate runs there). Group 2 of `ffn_weight` is the
+    # layer index (vllm_ext.ffn_stack reads it).
     ffn_weight = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
     gate_weight = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.gate\.weight$")
 
@@ -73,10 +74,6 @@ class Family:
     ) -> set[str]:
         """Loads the FFN tensors (names without the `model.` prefix) with vLLM's loader."""
         raise NotImplementedError
-
-    def shared_experts(self, mlp: nn.Module) -> nn.Module | None:
-        """A MoE layer's shared experts (whole, on FFN shard 0 only), if any."""
-        return None
 
     def dense_output(self, config: Any, out: torch.Tensor) -> torch.Tensor:
         """What the decoder layer does to a dense MLP's output before the residual add."""

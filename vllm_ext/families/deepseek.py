@@ -130,9 +130,6 @@ class DeepSeek(Family):
         dsv2 = compat.seams().deepseek_v2_module()
         return dsv2.DeepseekV2Model.load_weights(stack, weights)  # type: ignore[arg-type]
 
-    def shared_experts(self, mlp: nn.Module) -> nn.Module | None:
-        return getattr(mlp, "shared_experts", None)
-
     def dense_output(self, config: Any, out: torch.Tensor) -> torch.Tensor:
         """What DeepseekV2DecoderLayer.forward does after a dense MLP in fp16."""
         if out.dtype == torch.float16:

@@ -86,11 +86,6 @@ class Qwen3Moe(Family):
     ) -> set[str]:
         return _qwen3().Qwen3MoeModel.load_weights(stack, weights)
 
-    def shared_experts(self, mlp: nn.Module) -> nn.Module | None:
-        """Qwen3-MoE has none; vLLM's block builds one when the config sets
-        shared_expert_intermediate_size (Qwen2-MoE style)."""
-        return getattr(mlp, "shared_expert", None)
-
 
 FAMILY = Qwen3Moe()
 
