@@ -66,7 +66,7 @@ test-multihost: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PROGRESS) $(MULTIHOST_TESTS)
 
 demo: $(STAMP)
-	$(PY) -m vllm_ext.demo
+	$(PY) -m vllm_ext.testing.demo
 
 demo-sim: $(STAMP)
 	$(PY) scripts/demo.py

@@ -3,7 +3,7 @@
 FFN ranks that split the experts each return a partial sum of one layer's output. A colocated
 MoE adds its experts' contributions in float32 and rounds to the model dtype once; adding
 bf16 partial sums in bf16 would round once more per peer and move the tokens. Both exchange
-paths (NIXL: vllm_ext.exchange, GPU-driven: gpu_hop) reduce through here. Tensors are torch's
+paths (NIXL: vllm_ext.exchange.nixl, GPU-driven: gpu_hop) reduce through here. Tensors are torch's
 (duck-typed: afd_data imports torch only where it needs to).
 """
 

@@ -50,7 +50,7 @@ REFUSED_EXIT = 3
 # An untimed run of the same batch right before each timed one (seen on an H200: the first
 # timed repeat after another batch size's run was 20% slower than the rest).
 SETTLE_TOKENS = 16
-# The FFN server's log line for a graph captured on a replay step (vllm_ext/ffn_graphs.py).
+# The FFN server's log line for a graph captured on a replay step (vllm_ext/exchange/nixl_graphs.py).
 FFN_LATE_CAPTURE = "never captured here: capturing them now"
 COUNTERS = ("num_backend_compilations", "num_inductor_compiles", "num_cudagraph_captured")
 

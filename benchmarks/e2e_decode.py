@@ -99,7 +99,7 @@ from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
 STATS_RE = re.compile(r"afd ffn \S+: stats (\{.*\})")
 GPU_PARTS = ("colocated_1gpu", "afd", "afd_dbo", "afd_ep2", "colocated_2gpu")
-# The FFN server's start-up line with what it holds (vllm_ext.ffn_stack.finalize_ffn_stack).
+# The FFN server's start-up line with what it holds (vllm_ext.ffn.stack.finalize_ffn_stack).
 WEIGHTS_RE = re.compile(r"weights (\d+) bytes \(routed experts (\d+) of (\d+)")
 CUDA_RE = re.compile(r"cuda memory allocated (\d+) bytes")
 RUNNER = ROOT / "benchmarks" / "decode_runner.py"

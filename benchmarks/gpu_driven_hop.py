@@ -1,4 +1,4 @@
-"""The GPU-driven hop of the data plane (afd_data.gpu_hop through vllm_ext.gpu_exchange), measured
+"""The GPU-driven hop of the data plane (afd_data.gpu_hop through vllm_ext.exchange.gpu), measured
 between two real worker processes: an attention side (cuda:0) and an FFN side (cuda:1, or
 cuda:0 with --one-gpu), each with its real NixlTransport and GpuHop, connected as the
 rendezvous would connect them (blobs exchanged as base64 JSON lines on the child's stdin and
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 def _transport(role: str, device: str, args: argparse.Namespace) -> Any:
     from afd_data import NixlTransport, TransportConfig
-    from vllm_ext.gpu_exchange import GpuPath
+    from vllm_ext.exchange.gpu import GpuPath
 
     config = TransportConfig(
         hidden_size=args.hidden, max_tokens_per_peer=args.rows, dtype="bfloat16",

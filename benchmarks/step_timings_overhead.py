@@ -31,8 +31,8 @@ import torch
 from afd_ctl.client import ControllerClient, WorkerSpec
 from afd_ctl.errors import AfdError
 from afd_ctl.step_reporter import StepReporter
-from vllm_ext.exchange import AttentionExchange, FfnExchange, StepShape
-from vllm_ext.step_timing import ExchangeTimings
+from vllm_ext.exchange.nixl import AttentionExchange, FfnExchange, StepShape
+from vllm_ext.exchange.timing import ExchangeTimings
 
 
 def reporter_cost_us(n: int = 20000) -> float:

@@ -73,7 +73,7 @@ class Turns:
 
 
 def one_stage(session, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    from vllm_ext.attention_steps import StepFlags
+    from vllm_ext.attention.steps import StepFlags
 
     rows = inputs[0].shape[0]
     session.steps.open_step(rows, None, StepFlags())
@@ -89,7 +89,7 @@ def two_stages(
 ) -> tuple[list[torch.Tensor], list[tuple[int, str]]]:
     """Both micro-batches through the session; `oversize_layer`: micro-batch 1 sends more
     rows than the step announced at that layer (the data plane refuses them)."""
-    from vllm_ext.attention_steps import StepFlags
+    from vllm_ext.attention.steps import StepFlags
 
     rows = inputs[0].shape[0]
     parts = [[x[:split] for x in inputs], [x[split:] for x in inputs]]
@@ -120,7 +120,7 @@ def two_stages(
     try:
         session.steps.raise_stage_failure()
     finally:
-        from vllm_ext.attention_steps import _micro_batch
+        from vllm_ext.attention.steps import _micro_batch
 
         session.steps.micro_batch = _micro_batch
     return [torch.cat(pair) for pair in zip(*outputs, strict=True)], turns.log
@@ -137,7 +137,7 @@ def main() -> int:
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_ext.attention_session import AttentionSession
+    from vllm_ext.attention.session import AttentionSession
     from vllm_ext.config import AfdConfig
 
     vllm_config = EngineArgs(

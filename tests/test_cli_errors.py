@@ -262,7 +262,7 @@ def test_control_hop_round_leaves_nothing_in_tmp(tmp_path: Path, monkeypatch):
 
 def test_demo_answer_reads_as_text():
     """Random weights give pieces of UTF-8 characters; the demo shows them as '?' on one line."""
-    from vllm_ext.demo import readable
+    from vllm_ext.testing.demo import readable
 
     assert readable("\ufffd\ufffdT dep\n\ufffdTTT") == "'??T dep??TTT'"
 

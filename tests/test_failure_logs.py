@@ -1,5 +1,5 @@
 """A failing AFD step writes one line, not vLLM's traceback and engine dump each time (issue
-22, item 2): the filters vllm_ext.failure_logs puts on vLLM's two loggers, driven with the
+22, item 2): the filters vllm_ext.attention.failure_logs puts on vLLM's two loggers, driven with the
 records vLLM writes (no vLLM needed), on a fake clock."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from vllm_ext import failure_logs
-from vllm_ext.step_failures import AfdStepFailed
+from vllm_ext.attention import failure_logs
+from vllm_ext.attention.step_failures import AfdStepFailed
 
 
 class Clock:

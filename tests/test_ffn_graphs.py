@@ -14,7 +14,7 @@ import torch
 
 from afd_ctl.payloads import make_payload
 from afd_ctl.v1 import afd_pb2
-from vllm_ext.ffn_graphs import CAPTURE, EAGER, REPLAY, FfnGraphRunner, graph_mode
+from vllm_ext.exchange.nixl_graphs import CAPTURE, EAGER, REPLAY, FfnGraphRunner, graph_mode
 
 
 def payload(step: int, counts: list[list[int]], **flags: bool) -> afd_pb2.AFDControlPayload:

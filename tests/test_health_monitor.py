@@ -1,4 +1,4 @@
-"""The attention server's /health answer (vllm_ext.health.AfdSideMonitor) against a real
+"""The attention server's /health answer (vllm_ext.attention.health.AfdSideMonitor) against a real
 afd-ctl, without vLLM (issue 22, should-fix): a request that failed in the engine makes
 /health 503 at once, while afd-ctl still reports SERVING in the same epoch; afd-ctl's next
 epoch (the FFN side back) makes it 200 again; a daemon killed right after a failure is not
@@ -11,8 +11,8 @@ import time
 
 from afd_ctl.client import ControllerClient
 from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+from vllm_ext.attention.health import AfdSideMonitor
 from vllm_ext.config import AfdConfig
-from vllm_ext.health import AfdSideMonitor
 
 
 def test_health_says_a_failed_step_at_once_and_recovers_with_the_next_epoch(start_daemon):

@@ -146,7 +146,7 @@ def test_attention_tp2_to_one_ffn_matches_colocated(
 ) -> None:
     """Attention TP=2 : 1 FFN. TP rank 0 is the group's one attention rank (afd-ctl expects 1):
     it exchanges the group's rows once and TP rank 1 takes each layer's FFN output from it
-    through the TP all-reduce (vllm_ext.tp_group). An FFN server still told the old
+    through the TP all-reduce (vllm_ext.attention.tp_group). An FFN server still told the old
     attention_tp_size ignores it, saying so."""
     model = tiny_models[2]
     tp = ["--tensor-parallel-size", "2"]

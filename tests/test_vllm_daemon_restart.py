@@ -122,10 +122,12 @@ def test_vllm_serve_survives_afd_ctl_restarts(
 
     # Every failed step above logged one line of its own; vLLM's traceback of it came once per
     # cause and its engine dump at most once a minute (issue 22, item 2: ~9 KB per step).
-    from vllm_ext.failure_logs import cause_of
+    from vllm_ext.attention.failure_logs import cause_of
 
     log = servers.attention.log()
-    failures = [line for line in log.splitlines() if "[vllm_ext.step_failures] afd: AFD" in line]
+    failures = [
+        line for line in log.splitlines() if "[vllm_ext.attention.step_failures] afd: AFD" in line
+    ]
     causes = {cause_of(line) for line in failures}
     tracebacks = log.count("WorkerProc hit an exception")
     assert len(failures) > len(causes), failures  # the test made steps fail repeatedly

@@ -71,7 +71,7 @@ def test_engine_config_picks_the_attention_worker(tiny_model: Path) -> None:
         model=str(tiny_model), dtype="float32", additional_config=afd
     ).create_engine_config()
     assert plain.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
-    assert split.parallel_config.worker_cls == "vllm_ext.attention_worker.AfdAttentionWorker"
+    assert split.parallel_config.worker_cls == "vllm_ext.attention.worker.AfdAttentionWorker"
 
 
 def test_unknown_afd_key_names_the_key(tiny_model: Path) -> None:

@@ -31,8 +31,8 @@ def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
 
     from afd_ctl.client import ControllerClient, WorkerSpec
     from afd_ctl.trace import check_trace_events
-    from vllm_ext.exchange import AttentionExchange, FfnExchange, StepShape
-    from vllm_ext.step_timing import ExchangeTimings
+    from vllm_ext.exchange.nixl import AttentionExchange, FfnExchange, StepShape
+    from vllm_ext.exchange.timing import ExchangeTimings
 
     daemon = start_daemon()
     sizes = dict(num_attention=1, num_ffn=1, hidden_size=HIDDEN, max_tokens=8, timeout_s=10.0)

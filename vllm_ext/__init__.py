@@ -49,7 +49,7 @@ def register() -> None:
             hooks.refuse_afd_requests(compat.unsupported_message(version))
             return
         hooks.install()
-        from vllm_ext import failure_logs
+        from vllm_ext.attention import failure_logs
 
         failure_logs.install()
     except Exception as error:  # nothing may take down vLLM runs that don't use AFD

@@ -51,7 +51,7 @@ class AfdConfig:
     # say the same; the data plane refuses peers that disagree.
     gate: str = "ffn"
     # No longer needed (accepted, warned about and ignored): TP rank 0 of an attention server
-    # exchanges for its TP group (vllm_ext.tp_group), so FFN servers need not know the TP size.
+    # exchanges for its TP group (vllm_ext.attention.tp_group), so FFN servers need not know the TP size.
     attention_tp_size: int = 1
     # FFN role: micro-batches per step this server's data plane carries. 2 (the default)
     # follows attention servers with or without dual-batch overlap, for twice the receive and

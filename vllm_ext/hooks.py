@@ -12,9 +12,9 @@ per seam (engine_args, serve, engine_core, api_server); this module is the AFD l
 - `EngineCore.shutdown`: first asks the attention workers to publish `stop` (over vLLM's own
   collective_rpc), while they are still alive: `vllm serve` kills worker processes soon after.
 - `EngineCore.step` / `step_with_batch_queue` / `execute_dummy_batch`: a failed AFD step fails
-  the running requests instead of the engine (vllm_ext.step_failures).
+  the running requests instead of the engine (vllm_ext.attention.step_failures).
 - API process of an attention server: `AsyncLLM.check_health` and
-  `GenerateBaseServing._raise_if_error` report afd-ctl's view (vllm_ext.health).
+  `GenerateBaseServing._raise_if_error` report afd-ctl's view (vllm_ext.attention.health).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import sys
 from typing import Any
 
 from afd_ctl.routing import Role
-from vllm_ext import compat, families, step_failures
+from vllm_ext import compat, families
+from vllm_ext.attention import step_failures
 from vllm_ext.config import ROLES, AfdConfig, afd_section
 
 log = logging.getLogger(__name__)
 
-ATTENTION_WORKER_CLS = "vllm_ext.attention_worker.AfdAttentionWorker"
+ATTENTION_WORKER_CLS = "vllm_ext.attention.worker.AfdAttentionWorker"
 
 
 def install() -> None:
@@ -267,7 +268,7 @@ def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
 
 
 def serve_cmd(args: argparse.Namespace, vllm_cmd: Any) -> None:
-    """`vllm serve`: the FFN role runs vllm_ext.ffn_server; anything else is vLLM's own
+    """`vllm serve`: the FFN role runs vllm_ext.ffn.server; anything else is vLLM's own
     (`vllm_cmd`)."""
     merged = merge_afd_flags(getattr(args, "additional_config", None), args)
     afd = AfdConfig.resolve(afd_section(merged))
@@ -278,7 +279,7 @@ def serve_cmd(args: argparse.Namespace, vllm_cmd: Any) -> None:
         if merged is not None:
             args.additional_config = merged
         return vllm_cmd(args)
-    from vllm_ext.ffn_cli import serve_ffn
+    from vllm_ext.ffn.cli import serve_ffn
 
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag
@@ -288,7 +289,8 @@ def serve_cmd(args: argparse.Namespace, vllm_cmd: Any) -> None:
 def _wrap_api_server(afd: AfdConfig) -> None:
     """Runs where the engine config is created: the API server process of `vllm serve` (and
     an offline LLM's process, where it is harmless)."""
-    from vllm_ext import health, metrics
+    from vllm_ext import metrics
+    from vllm_ext.attention import health
 
     seams = compat.seams()
     metrics.expose_worker_series()

@@ -9,7 +9,7 @@ must be a tensor the previous piece allocated (from the graph's memory pool), no
 The checkpoint's FFN tensors are skipped at load. Embeddings, attention, layernorms, the final
 norm and lm_head stay as vLLM built them.
 
-FFN role: vllm_ext.ffn_stack (the FFN half, and the slice of the experts one FFN rank holds).
+FFN role: vllm_ext.ffn.stack (the FFN half, and the slice of the experts one FFN rank holds).
 """
 
 from __future__ import annotations

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from afd_ctl.fingerprint import ModelFingerprint
 from vllm_ext.control import ExpectedCounts, expected_counts
-from vllm_ext.step_timing import ExchangeTimings
+from vllm_ext.exchange.timing import ExchangeTimings
 
 if TYPE_CHECKING:
     from afd_ctl.client import ControllerClient, WorkerSpec
     from afd_ctl.v1 import afd_pb2
     from afd_data.rendezvous import StuckLossWatch
     from vllm_ext.control import ControlAccess
-    from vllm_ext.exchange import _Exchange
+    from vllm_ext.exchange.nixl import _Exchange
 
 __all__ = ["ExpectedCounts", "PeerLink", "expected_counts", "model_fingerprint"]
 # Files of a local checkpoint whose bytes make its digest (small; the weights are not read).

@@ -3,7 +3,7 @@ execute_dummy_batch, shutdown) and the busy loops of `EngineCoreProc`/`DPEngineC
 
 Why: vLLM has no per-request failure path from a worker: an exception in a step ends the
 engine core and with it the API server. AFD fails the running requests instead
-(vllm_ext.step_failures) and asks its workers to publish `stop` while they are still alive
+(vllm_ext.attention.step_failures) and asks its workers to publish `stop` while they are still alive
 (before vLLM's SIGTERM handling kills them).
 Upstream change that makes it unnecessary: a worker-side "step failed, fail these requests"
 result that the engine core handles without exiting, and a plugin hook at engine shutdown.

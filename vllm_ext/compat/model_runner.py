@@ -59,7 +59,7 @@ def padding_decision(result: tuple) -> tuple[int, list[int] | None, str, bool]:
 class RunnerSeam:
     """Mixed in front of the platform's V1 model runner (GPUModelRunner or CPUModelRunner,
     which inherits these): overrides the three private methods and calls the runner's hooks,
-    which a subclass defines (vllm_ext.attention_worker)."""
+    which a subclass defines (vllm_ext.attention.worker)."""
 
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM decides the step's padded size (and, under DP, every rank's) here, before it

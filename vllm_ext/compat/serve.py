@@ -1,7 +1,7 @@
 """Seam: `vllm/entrypoints/cli/serve.py` `ServeSubcommand.cmd`, what `vllm serve` runs.
 
 Why: an FFN worker has no scheduler, KV cache or HTTP endpoint, so `vllm serve --afd-role ffn`
-runs `vllm_ext.ffn_server` instead of vLLM's API server; the module is only patched where the
+runs `vllm_ext.ffn.server` instead of vLLM's API server; the module is only patched where the
 `vllm` CLI already imported it (plugins load after it there).
 Upstream change that makes it unnecessary: a way for a plugin to provide its own serve
 entry point (a registered `vllm` subcommand, or a worker-only serve mode).

@@ -39,7 +39,7 @@ class Family:
     attention_model: str | None = None
     # Checkpoint tensors of the FFN side (skipped by the attention side), and the router gate's
     # (loaded by the attention side when the gate runs there). Group 2 of `ffn_weight` is the
-    # layer index (vllm_ext.ffn_stack reads it).
+    # layer index (vllm_ext.ffn.stack reads it).
     ffn_weight = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
     gate_weight = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.gate\.weight$")
 

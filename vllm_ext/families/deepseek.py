@@ -9,7 +9,7 @@ embeddings and lm_head stay as vLLM built them.
 
 FFN role: `layers[i].mlp` built with vLLM's own DeepseekV2MoE/DeepseekV2MLP and loaded with
 DeepseekV2Model.load_weights from the `.mlp.` tensors. Dense layers: `first_k_dense_replace`,
-`moe_layer_freq`; shared experts whole, on FFN shard 0 only (vllm_ext.ffn_stack).
+`moe_layer_freq`; shared experts whole, on FFN shard 0 only (vllm_ext.ffn.stack).
 """
 
 from __future__ import annotations

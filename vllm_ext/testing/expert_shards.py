@@ -1,7 +1,7 @@
 """What each expert-parallel FFN rank holds and computes, in one process, with vLLM's own layers.
 
 For every split N asked for, it builds the FFN half of MODEL as each rank r of N would
-(vllm_ext.ffn_stack.ExpertShard(r, N)), reports the parameter bytes it holds (routed experts,
+(vllm_ext.ffn.stack.ExpertShard(r, N)), reports the parameter bytes it holds (routed experts,
 and the rest), runs every layer on the same rows and checks that the N ranks' outputs add up to
 the whole model's (N = 1). With --time, it also times one forward of all layers per rank at
 each batch (the FFN compute of one step, as an FFN server runs it). Prints one JSON line last.
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import vllm_ext
-    from vllm_ext.ffn_engine import FfnEngine
-    from vllm_ext.ffn_stack import ExpertShard
+    from vllm_ext.ffn.engine import FfnEngine
+    from vllm_ext.ffn.stack import ExpertShard
 
     vllm_ext.register()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@
 swaps two rows of layer LAYER's FFN output (a misplaced row), or shifts its rows by one (row i
 gets row i-1's output, the first the last's: a slice offset off by one), before it goes back
 to the attention side. Off unless the variable is set; the FFN engine
-(vllm_ext/ffn_engine.py) only imports this module when it is, and logs a warning then.
+(vllm_ext/ffn/engine.py) only imports this module when it is, and logs a warning then.
 """
 
 from __future__ import annotations

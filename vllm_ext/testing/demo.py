@@ -1,6 +1,6 @@
 """The end-to-end demo: afd-ctl, an FFN server and an attention server on a tiny DeepSeek-V2.
 
-    python -m vllm_ext.demo [--workdir DIR]
+    python -m vllm_ext.testing.demo [--workdir DIR]
 
 Builds the tiny model (real-scale random weights, no hub), starts `afd-ctl serve`,
 `vllm serve --afd-role ffn`, `vllm serve --afd-role attention`, sends one OpenAI completion,

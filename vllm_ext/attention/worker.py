@@ -29,12 +29,13 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from vllm_ext import compat, hooks, model_split, tp_group
-from vllm_ext.attention_session import AttentionSession
-from vllm_ext.attention_steps import StepFlags
+from vllm_ext import compat, hooks, model_split
+from vllm_ext.attention import tp_group
+from vllm_ext.attention.session import AttentionSession
+from vllm_ext.attention.step_failures import AfdStepFailed
+from vllm_ext.attention.steps import StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
-from vllm_ext.step_failures import AfdStepFailed
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
         session.start()
         self._afd_session = session
         exchange = session.steps.exchange if session.leader else None
-        if session.tp_size > 1:  # one exchange per TP group (vllm_ext.tp_group)
+        if session.tp_size > 1:  # one exchange per TP group (vllm_ext.attention.tp_group)
             session.set_path(
                 tp_group.agreed_path(session.exchange_path if session.leader else None)
             )
@@ -100,7 +101,7 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
             # Dual-batch overlap: vLLM splits the padded rows in two (the second half takes
             # the odd row) and runs the micro-batches eagerly here (it captures micro-batched
             # graphs only in FULL mode, which AFD does not use). The FFN side still replays a
-            # graph per stage (vllm_ext/ffn_graphs.py captures a stage's first one then).
+            # graph per stage (vllm_ext/exchange/nixl_graphs.py captures a stage's first one then).
             stage_tokens = [num_tokens // 2, num_tokens - num_tokens // 2]
         if not flags.is_graph_capturing and graph_mode != "NONE":
             flags = flags.replaying()

@@ -2,8 +2,8 @@
 
 Host-driven path (NIXL): per layer and stage, the attention peers' rows in (a wait on the
 host), the layer's MLP/MoE (eager, or a per-layer CUDA graph as the payload's flags say:
-vllm_ext.ffn_graphs), each peer its slice back. GPU-driven path (vllm_ext.gpu_exchange): every
-layer is stream work, enqueued at once or launched as one step graph (vllm_ext.ffn_step_graphs),
+vllm_ext.exchange.nixl_graphs), each peer its slice back. GPU-driven path (vllm_ext.exchange.gpu): every
+layer is stream work, enqueued at once or launched as one step graph (vllm_ext.exchange.gpu_graphs),
 and the host goes on to the next payload.
 """
 
@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from afd_ctl.payloads import stage_counts
-from vllm_ext.exchange import FfnExchange, StepShape
-from vllm_ext.ffn_graphs import CAPTURE, EAGER, FfnGraphRunner, graph_key
-from vllm_ext.ffn_step_graphs import FfnStepGraphs
+from vllm_ext.exchange.gpu_graphs import FfnStepGraphs
+from vllm_ext.exchange.nixl import FfnExchange, StepShape
+from vllm_ext.exchange.nixl_graphs import CAPTURE, EAGER, FfnGraphRunner, graph_key
 from vllm_ext.metrics import FfnMetrics
 
-log = logging.getLogger("vllm_ext.ffn_server")
+log = logging.getLogger("vllm_ext.ffn.server")
 
 STAT_WINDOW = 1000
 
@@ -35,7 +35,7 @@ class FfnSteps:
         self.worker_id = worker_id
         # CUDA graphs per the payload's capture/replay flags, on GPU unless enforce_eager.
         self.graphs = FfnGraphRunner(engine.forward_layer, enabled=graphs)
-        # The GPU-driven path's graphs: a whole step each (vllm_ext.ffn_step_graphs).
+        # The GPU-driven path's graphs: a whole step each (vllm_ext.exchange.gpu_graphs).
         self.step_graphs = FfnStepGraphs(enabled=graphs)
         self.steps = 0
         self.two_stage_steps = 0  # steps the attention side ran as two micro-batches

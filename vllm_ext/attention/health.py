@@ -3,7 +3,7 @@
 - `GET /health` is 503 while afd-ctl does not report the expected set as SERVING (an FFN server
   is down, the daemon is draining or unreachable), and 200 again once it does. vLLM's route
   answers 503 only for EngineDeadError, so the AFD condition is raised as a subclass of it.
-- A request that the engine finished with an error (vllm_ext.step_failures) gets a 503 with
+- A request that the engine finished with an error (vllm_ext.attention.step_failures) gets a 503 with
   what afd-ctl last said, instead of vLLM's bare "Internal server error".
 Each transition is logged once.
 """

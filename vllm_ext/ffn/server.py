@@ -6,7 +6,7 @@ attention peer's rows, runs the layer's MLP/MoE over their concatenation and wri
 its slice back. It exits 0 on `stop`; any error is logged at once and ends the session, so the
 daemon marks the worker lost and the attention side fails fast instead of hanging.
 
-Entry point: vllm_ext.ffn_cli (`python -m vllm_ext.ffn_cli MODEL --afd-controller ... [vLLM flags]`).
+Entry point: vllm_ext.ffn.cli (`python -m vllm_ext.ffn.cli MODEL --afd-controller ... [vLLM flags]`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from afd_ctl.errors import (
 from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
-from vllm_ext.exchange import FfnExchange
-from vllm_ext.ffn_stack import ExpertShard
-from vllm_ext.ffn_steps import FfnSteps
+from vllm_ext.exchange.nixl import FfnExchange
+from vllm_ext.ffn.stack import ExpertShard
+from vllm_ext.ffn.steps import FfnSteps
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
 from vllm_ext.peer_link import PeerLink, expected_counts
 
-log = logging.getLogger("vllm_ext.ffn_server")
+log = logging.getLogger("vllm_ext.ffn.server")
 
 POLL_S = 0.5
 # While no payload comes: the data plane is polled this often (a peer settling its transfers
@@ -54,7 +54,7 @@ class FfnWorker:
         self.afd = afd
         self.worker_id = afd.worker_id or f"ffn-{afd.ffn_rank}-{os.getpid()}"
         # The FFN half and what each payload runs: loaded in run(), once afd-ctl said which
-        # slice of the experts this rank holds (vllm_ext.ffn_stack, vllm_ext.ffn_steps).
+        # slice of the experts this rank holds (vllm_ext.ffn.stack, vllm_ext.ffn.steps).
         self.engine: Any = None
         self.step_runner: FfnSteps | None = None
         self._stop = threading.Event()
@@ -71,7 +71,7 @@ class FfnWorker:
         self._connects = 0
 
     def _load(self, shard: ExpertShard) -> None:
-        from vllm_ext.ffn_engine import FfnEngine
+        from vllm_ext.ffn.engine import FfnEngine
 
         self.engine = FfnEngine(self.vllm_config, shard)
         if self.afd.gate == "attention":

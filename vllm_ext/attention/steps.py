@@ -5,7 +5,7 @@ token counts, then (on a designated sender) publishes the AFDControlPayload; the
 checks it runs that step (`check_forward`); each proxy layer calls `exchange`; then `end_step`
 (after each micro-batch's forward under dual-batch overlap; `finish_forward` after vLLM's model
 call ends a step that ran as a replayed FULL CUDA graph, which runs no forward hooks). The
-session (vllm_ext.attention_session) owns the link to afd-ctl and the data plane this uses.
+session (vllm_ext.attention.session) owns the link to afd-ctl and the data plane this uses.
 Every wait is bounded by `step_timeout_s` and fails with the reason.
 """
 
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from afd_ctl.payloads import make_payload
-from vllm_ext.exchange import StepShape
-from vllm_ext.step_failures import AfdStepFailed, failing_step
+from vllm_ext.attention.step_failures import AfdStepFailed, failing_step
+from vllm_ext.exchange.nixl import StepShape
 
 if TYPE_CHECKING:
-    from vllm_ext.attention_session import AttentionSession
+    from vllm_ext.attention.session import AttentionSession
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class AttentionSteps:
         `stage_tokens`: under dual-batch overlap, each micro-batch's rows (padded); vLLM pads
         micro-batches alike on every DP rank, so every rank's count per stage is the same.
         Raises AfdStepFailed when the FFN side cannot serve this step (lost, not yet back):
-        the engine fails the step's requests and stays up (vllm_ext.step_failures).
+        the engine fails the step's requests and stays up (vllm_ext.attention.step_failures).
 
         `full_graph`: vLLM runs this step as a FULL CUDA graph. Capturing one records the
         GPU-driven exchange without running it: such a step is published `records_only`, so

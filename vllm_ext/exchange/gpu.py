@@ -1,6 +1,6 @@
 """The GPU-driven hop (afd_data.gpu_hop) as both roles of the vLLM extension drive it.
 
-`GpuPath` sits beside a worker's NixlTransport (vllm_ext.exchange): the transport connects the
+`GpuPath` sits beside a worker's NixlTransport (vllm_ext.exchange.nixl): the transport connects the
 peers and follows epochs; at every connect `GpuPath.connect` chooses the path (peers on this
 host with CUDA buffers: the GPU drives the hop; else NIXL) and says which in the log.
 

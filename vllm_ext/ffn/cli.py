@@ -1,8 +1,8 @@
 """`vllm serve MODEL --afd-role ffn --afd-controller HOST:PORT`: the FFN role's entry point.
 
 It builds the engine config the way `vllm serve` would (the same defaults on both roles) and runs
-one FFN worker (vllm_ext.ffn_server) until it stops. Also runnable as
-`python -m vllm_ext.ffn_cli MODEL --afd-controller ... [vLLM flags]`.
+one FFN worker (vllm_ext.ffn.server) until it stops. Also runnable as
+`python -m vllm_ext.ffn.cli MODEL --afd-controller ... [vLLM flags]`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig, from_vllm_config
-from vllm_ext.ffn_server import FfnWorker
+from vllm_ext.ffn.server import FfnWorker
 
-log = logging.getLogger("vllm_ext.ffn_server")
+log = logging.getLogger("vllm_ext.ffn.server")
 
 
 def serve_ffn(args: argparse.Namespace) -> None:

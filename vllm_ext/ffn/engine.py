@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vllm_ext import compat
-from vllm_ext.ffn_stack import ExpertShard, FfnStack, finalize_ffn_stack, load_ffn_stack
+from vllm_ext.ffn.stack import ExpertShard, FfnStack, finalize_ffn_stack, load_ffn_stack
 
 log = logging.getLogger(__name__)
 

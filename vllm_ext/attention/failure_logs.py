@@ -18,7 +18,7 @@ import re
 import threading
 import time
 
-from vllm_ext.step_failures import MARK
+from vllm_ext.attention.step_failures import MARK
 
 # vLLM's loggers (vllm/v1/executor/multiproc_executor.py `WorkerProc`, and
 # vllm/logging_utils/dump_input.py `dump_engine_exception`; the same names on 0.26 and 0.32).
@@ -26,7 +26,7 @@ WORKER_LOGGER = "vllm.v1.executor.multiproc_executor"
 DUMP_LOGGER = "vllm.logging_utils.dump_input"
 # Our own one line per failed step (step_failures.fail_running_requests), which arms the
 # dump filter of its process.
-STEP_LOGGER = "vllm_ext.step_failures"
+STEP_LOGGER = "vllm_ext.attention.step_failures"
 REPEAT_INTERVAL_S = 60.0
 # The three records of one engine dump come within this long of each other.
 DUMP_BURST_S = 1.0

@@ -11,7 +11,7 @@ so blocks of a step that never finished would otherwise be served as valid prefi
 next request with the same prompt.
 
 The next step reconnects to the newest complete view afd-ctl has (AttentionSession) or fails
-at once; `/health` answers 503 meanwhile (vllm_ext.health).
+at once; `/health` answers 503 meanwhile (vllm_ext.attention.health).
 """
 
 from __future__ import annotations

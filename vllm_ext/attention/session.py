@@ -1,6 +1,6 @@
 """One attention worker's AFD session: its link to afd-ctl (registration, views, reconnects,
 stop), its data plane, and the step state machine the runner drives (`steps`,
-vllm_ext.attention_steps). Every wait is bounded and fails with the reason.
+vllm_ext.attention.steps). Every wait is bounded and fails with the reason.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch
 from afd_ctl.errors import AfdNotReady, AfdTimeout
 from afd_ctl.routing import Role
 from vllm_ext import model_split
-from vllm_ext.attention_steps import AttentionSteps
+from vllm_ext.attention.steps import AttentionSteps
+from vllm_ext.attention.tp_group import FollowerSteps
 from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
-from vllm_ext.exchange import AttentionExchange
+from vllm_ext.exchange.nixl import AttentionExchange
 from vllm_ext.metrics import AttentionMetrics, worker_files
 from vllm_ext.peer_link import PeerLink, expected_counts
 from vllm_ext.step_profiler import StepProfiler
-from vllm_ext.tp_group import FollowerSteps
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class AttentionSession:
         self.dp_size: int = parallel.data_parallel_size
         self.tp_size: int = parallel.tensor_parallel_size
         # Attention TP: TP rank 0 is the group's attention role rank (its dp_rank) and exchanges
-        # for the group; the others take its FFN outputs (vllm_ext.tp_group).
+        # for the group; the others take its FFN outputs (vllm_ext.attention.tp_group).
         self.tp_rank: int = _tp_rank() if self.tp_size > 1 else 0
         self.leader = self.tp_rank == 0
         self.worker_id = _worker_id(afd.worker_id, self.dp_rank, self.dp_size, self.tp_rank,
@@ -58,7 +58,7 @@ class AttentionSession:
         self._lock = threading.Lock()
         self.profiler: Any = None
         self.metrics = AttentionMetrics(None)
-        # The step state machine (vllm_ext.attention_steps): the runner drives it.
+        # The step state machine (vllm_ext.attention.steps): the runner drives it.
         self.steps: Any = AttentionSteps(self) if self.leader else FollowerSteps()
         self._path: str | None = None  # a TP follower's: its leader's (set_path)
 

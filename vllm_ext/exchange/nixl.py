@@ -25,9 +25,9 @@ from afd_ctl.routing import Role
 from afd_data.partial_sums import sum_partials
 
 if TYPE_CHECKING:
-    from vllm_ext.gpu_exchange import GpuPath
+    from vllm_ext.exchange.gpu import GpuPath
+    from vllm_ext.exchange.timing import ExchangeTimings
     from vllm_ext.metrics import AttentionMetrics
-    from vllm_ext.step_timing import ExchangeTimings
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class _Exchange:
         # The GPU-driven hop, where the buffers are CUDA memory; used when connect chooses it.
         self.gpu: GpuPath | None = None
         if self.transport.device != "cpu":
-            from vllm_ext.gpu_exchange import GpuPath
+            from vllm_ext.exchange.gpu import GpuPath
 
             self.gpu = GpuPath(self.transport)
         self.plan: Any = None  # the open step's afd_data StepPlan on the GPU path
