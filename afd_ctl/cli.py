@@ -399,12 +399,13 @@ def format_status(status: afd_pb2.Status) -> str:
     if status.loads:
         lines += [
             "",
-            f"{'LOAD (ROLLING WINDOW)':<28} {'ROLE':<9} {'STEPS':>6} {'UTIL':>5} {'WAIT':>5} "
-            f"{'COMPUTE MS':>10} {'WAIT MS':>8} {'TOKENS':>7}",
+            f"{'LOAD (ROLLING WINDOW)':<28} {'ROLE':<9} {'PATH':<5} {'STEPS':>6} {'UTIL':>5} "
+            f"{'WAIT':>5} {'COMPUTE MS':>10} {'WAIT MS':>8} {'TOKENS':>7}",
         ]
         for load in status.loads:
             lines.append(
                 f"{load.worker_id:<28} {afd_pb2.Role.Name(load.role).lower():<9} "
+                f"{load.exchange_path or '-':<5} "
                 f"{load.steps:>6} {load.utilisation:>5.0%} {load.waiting_share:>5.0%} "
                 f"{load.compute_ms_per_step:>10.3f} {load.wait_ms_per_step:>8.3f} "
                 f"{load.tokens_per_step:>7.1f}"

@@ -36,6 +36,8 @@ class StepReporter:
         self.interval_s = interval_s
         self.clock = clock
         self.enabled = True
+        # The exchange path the worker runs ("gpu" or "nixl"; set at each connect).
+        self.exchange_path = ""
         self.sent = 0
         self.dropped = 0
         self._pending = afd_pb2.StepTimings()
@@ -89,6 +91,7 @@ class StepReporter:
         if p.steps == 0:
             return
         p.layers = self.layers
+        p.exchange_path = self.exchange_path
         if self._send(afd_pb2.SessionRequest(timings=p)):
             self.sent += 1
         else:

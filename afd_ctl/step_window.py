@@ -111,6 +111,7 @@ def load_of(window: WorkerWindow, role_proto: afd_pb2.Role) -> afd_pb2.WorkerLoa
         bytes_per_step=sum(r.bytes for r in reports) * per_step,
         layers=reports[-1].layers if reports else 0,
         reports_dropped=window.dropped,
+        exchange_path=reports[-1].exchange_path if reports else "",
     )
 
 

@@ -93,7 +93,7 @@ from benchmarks.timing_stats import (  # noqa: E402
     added_per_layer_us,
     ratio,
 )
-from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
+from vllm_ext.testing.processes import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import ffn_argv, vllm_env  # noqa: E402
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
@@ -597,7 +597,47 @@ def main() -> None:
         help="AFD's two servers share cuda:0 (a check of the path on a one-GPU machine, not a "
         "deployment: its figures are not the two-GPU comparison)",
     )  # fmt: skip
+    il = parser.add_argument_group(
+        "interleaved (both engines up at once; benchmarks/e2e_interleaved.py)"
+    )
+    il.add_argument(
+        "--interleave",
+        action="store_true",
+        help="colocated and AFD up at once, their repeats alternating per batch",
+    )
+    il.add_argument("--depths", default="", help="model layers per run (GPU default 2,4; CPU 4)")
+    il.add_argument(
+        "--interval-bound",
+        type=float,
+        default=0.25,
+        help="refuse a ratio whose 95%% interval is wider than this share of it",
+    )
+    il.add_argument("--prompt-tokens", type=int, default=128, help="GPU: each prompt's length")
+    il.add_argument(
+        "--colocated-memory",
+        type=float,
+        default=0.45,
+        help="GPU: --gpu-memory-utilization of the colocated engine",
+    )
+    il.add_argument("--kv-cache-bytes", type=int, default=8 << 30, help="GPU: each engine's KV")
+    il.add_argument("--start-timeout", type=float, default=420.0)
+    il.add_argument("--run-timeout", type=float, default=120.0, help="seconds for one repeat")
+    il.add_argument(
+        "--one-depth-per-call",
+        action="store_true",
+        help="run at most one depth missing from --state, then summarise",
+    )
     args = parser.parse_args()
+    if args.interleave:
+        from benchmarks import e2e_interleaved
+
+        if args.quick:
+            args.tokens, args.repeats = args.tokens or 32, 3
+        args.tokens = args.tokens or (256 if args.gpu else 64)
+        args.depths = args.depths or ("2,4" if args.gpu else "4")
+        if not args.gpu:
+            args.batches = str(args.batch)
+        sys.exit(e2e_interleaved.main(args))
     if args.gpu:
         args.tokens = args.tokens or 256
         main_gpu(args)

@@ -221,7 +221,7 @@ class SessionRequest(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., trace: _Optional[_Union[TraceSpans, _Mapping]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s", "step_tokens")
+    __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s", "step_tokens", "exchange_path")
     FIRST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class StepTimings(_message.Message):
     STEP_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_PATH_FIELD_NUMBER: _ClassVar[int]
     first_step_id: int
     last_step_id: int
     steps: int
@@ -248,7 +249,8 @@ class StepTimings(_message.Message):
     step_compute_s: _containers.RepeatedScalarFieldContainer[float]
     step_wait_s: _containers.RepeatedScalarFieldContainer[float]
     step_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_step_id: _Optional[int] = ..., last_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., busy_wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., send_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., step_compute_s: _Optional[_Iterable[float]] = ..., step_wait_s: _Optional[_Iterable[float]] = ..., step_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    exchange_path: str
+    def __init__(self, first_step_id: _Optional[int] = ..., last_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., busy_wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., send_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., step_compute_s: _Optional[_Iterable[float]] = ..., step_wait_s: _Optional[_Iterable[float]] = ..., step_tokens: _Optional[_Iterable[int]] = ..., exchange_path: _Optional[str] = ...) -> None: ...
 
 class TraceStart(_message.Message):
     __slots__ = ("trace_id", "first_step_id", "steps", "daemon_sent_s")
@@ -423,7 +425,7 @@ class Status(_message.Message):
     def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., ffn_groups: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "role_rank", "steps", "reports", "utilisation", "waiting_share", "compute_ms_per_step", "wait_ms_per_step", "send_ms_per_step", "tokens_per_step", "bytes_per_step", "layers", "reports_dropped")
+    __slots__ = ("worker_id", "role", "role_rank", "steps", "reports", "utilisation", "waiting_share", "compute_ms_per_step", "wait_ms_per_step", "send_ms_per_step", "tokens_per_step", "bytes_per_step", "layers", "reports_dropped", "exchange_path")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +440,7 @@ class WorkerLoad(_message.Message):
     BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     REPORTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_PATH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     role_rank: int
@@ -452,7 +455,8 @@ class WorkerLoad(_message.Message):
     bytes_per_step: float
     layers: int
     reports_dropped: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., steps: _Optional[int] = ..., reports: _Optional[int] = ..., utilisation: _Optional[float] = ..., waiting_share: _Optional[float] = ..., compute_ms_per_step: _Optional[float] = ..., wait_ms_per_step: _Optional[float] = ..., send_ms_per_step: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., bytes_per_step: _Optional[float] = ..., layers: _Optional[int] = ..., reports_dropped: _Optional[int] = ...) -> None: ...
+    exchange_path: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., steps: _Optional[int] = ..., reports: _Optional[int] = ..., utilisation: _Optional[float] = ..., waiting_share: _Optional[float] = ..., compute_ms_per_step: _Optional[float] = ..., wait_ms_per_step: _Optional[float] = ..., send_ms_per_step: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., bytes_per_step: _Optional[float] = ..., layers: _Optional[int] = ..., reports_dropped: _Optional[int] = ..., exchange_path: _Optional[str] = ...) -> None: ...
 
 class GetTimingsRequest(_message.Message):
     __slots__ = ()

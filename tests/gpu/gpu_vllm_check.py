@@ -333,6 +333,8 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         else:
             case.row["answered"] = all(g["token_ids"] for g in got)
             case.row["afd_texts"] = [g["text"] for g in got]
+        # What an operator sees of this pair: each worker's path and step timings (issue 32).
+        case.row["status_loads"] = status_loads(daemon.address)
         stop_attention(attention, ffns)
         case.row["ffn_exit_codes"] = [f.popen.returncode for f in ffns]
         case.row["ffn_stats"] = [stats_line(f.log(), "stats") for f in ffns]
@@ -355,6 +357,20 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
     except Exception as exc:
         case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:3000])
     return case.finish(results)
+
+
+def status_loads(address: str) -> list[dict[str, Any]]:
+    """`afd-ctl status --json`'s per-worker step timings (LOAD), as an operator reads them."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "status", "--json", "--controller", address],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    try:
+        return list(json.loads(done.stdout).get("loads", []))
+    except ValueError:
+        return [{"error": (done.stderr or done.stdout)[-500:]}]
 
 
 def _exchange_path(log: str) -> str | None:
