@@ -52,10 +52,13 @@ class GpuClock:
         after = time.monotonic()
         self._event, self._host = event, (before + after) / 2
 
-    def host_time(self, event: Any) -> float:
-        """When `event` (a completed timing CUDA event) happened, in host monotonic seconds."""
+    def host_time(self, event: Any) -> float | None:
+        """When `event` (a completed timing CUDA event) happened, in host monotonic seconds;
+        None while no anchor could be taken (the device never idled enough)."""
         if self._event is None or time.monotonic() - self._host > REANCHOR_S:
             self._anchor()
+        if self._event is None:
+            return None
         return self._host + float(self._event.elapsed_time(event)) / 1e3
 
 
@@ -82,13 +85,16 @@ class Timeline:
         end: Any = retired.end
         if self._file is None or self._lines >= MAX_LINES or start is None or end is None:
             return
+        gpu_start, gpu_end = (self._clock.host_time(e.event) for e in (start, end))
+        if gpu_start is None or gpu_end is None:
+            return
         line = {
             "step": retired.step_id,
             "rows": retired.tokens,
             "host_open": round(retired.enqueued_at - retired.host_s, 7),
             "host_enqueued": round(retired.enqueued_at, 7),
-            "gpu_start": round(self._clock.host_time(start.event), 7),
-            "gpu_end": round(self._clock.host_time(end.event), 7),
+            "gpu_start": round(gpu_start, 7),
+            "gpu_end": round(gpu_end, 7),
         }
         self._file.write(json.dumps(line) + "\n")
         self._lines += 1
