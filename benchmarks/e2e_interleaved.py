@@ -189,10 +189,11 @@ def main(args: argparse.Namespace) -> int:
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
     wanted = [int(d) for d in args.depths.split(",")]
     started = time.monotonic()
+    ran = 0
     for depth in wanted:
         if str(depth) in state:
             continue
-        if args.one_depth_per_call and state.keys() & {str(d) for d in wanted}:
+        if args.one_depth_per_call and ran:
             break
         try:
             with tempfile.TemporaryDirectory(prefix="afd-e2e-il-") as tmp:
@@ -206,6 +207,7 @@ def main(args: argparse.Namespace) -> int:
         run["wall_s"] = round(time.monotonic() - started, 1)
         state[str(depth)] = run
         state_path.write_text(json.dumps(state))
+        ran += 1
     depths = {
         int(d): {**run, "tpot_ms": {p: {int(b): v for b, v in per.items()}
                                     for p, per in run["tpot_ms"].items()}}

@@ -113,6 +113,9 @@ def test_a_lost_ffn_fails_the_steps_in_flight_and_later_ones_until_a_reset(side)
         s.watchdog.verdict([3], s.bound_s)
     assert wait_until(s.gpu.drained, 2.0) and s.gpu.poisoned > 0  # released, not hanging
     assert s.marked and "reported lost" in s.marked[0]  # the data plane knows
+    # The host's next step fails at once with it (told once: the one after waits for a view).
+    assert "reported lost" in (s.watchdog.take_failure() or "")
+    assert s.watchdog.take_failure() is None
     s.step(4, ffn=False)  # enqueued before the host saw the loss: it consumes poison too
     with pytest.raises(AfdPeerLost):
         s.watchdog.verdict([4], s.bound_s)

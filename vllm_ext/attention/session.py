@@ -184,6 +184,8 @@ class AttentionSession:
     def exchange_for_step(self) -> AttentionExchange:
         if self._link is None or self.client is None:
             raise RuntimeError("afd: attention session is closed")
+        if self._link.exchange is not None:
+            self._link.exchange.raise_failure()  # steps in flight failed: this one fails now
         self.ensure_connected()
         assert self._link.exchange is not None
         return self._link.exchange

@@ -68,6 +68,10 @@ class AttentionExchange(Protocol):
         """Raises AfdPeerLost or AfdTimeout if one of these closed steps failed (its outputs
         must not be used)."""
 
+    def raise_failure(self) -> None:
+        """Before a step: raises (once) the failure of steps still in flight, so the next step
+        fails at once with them instead of waiting for afd-ctl's next view."""
+
     def drain(self, reason: str) -> None:
         """Before a reconnect or close: nothing of this side is left in flight."""
 

@@ -32,7 +32,7 @@ from afd_data.step_plan import StepPlan, plan_step, validate_counts
 from vllm_ext.exchange.base import StepSplit
 from vllm_ext.exchange.data_plane import DataPlane
 from vllm_ext.exchange.gpu_graphs import FfnStepGraphs
-from vllm_ext.exchange.gpu_watchdog import LOST, InFlight, StepWatchdog
+from vllm_ext.exchange.gpu_watchdog import LOST, InFlight, StepWatchdog, failure_error
 from vllm_ext.exchange.timeline import Timeline
 from vllm_ext.exchange.timing import Reporting
 
@@ -200,6 +200,11 @@ class GpuAttentionExchange(_GpuSide):
         if self.reporting.timings is not None:
             self.reporting.timings.host_span(step.step_id, self._opened_at, now)
 
+    def raise_failure(self) -> None:
+        why = self.watchdog.take_failure()
+        if why is not None:
+            raise failure_error(why)
+
     def settle(self, step_ids: Sequence[int]) -> None:
         t0 = time.perf_counter()
         try:
@@ -292,4 +297,4 @@ class GpuFfnExchange(_GpuSide):
         if self.watchdog.fatal is not None:
             raise RuntimeError(self.watchdog.fatal)
         if failure is not None:
-            raise AfdPeerLost(failure.removeprefix(LOST))
+            raise AfdPeerLost(failure.removeprefix(LOST))  # the FFN loop reconnects on a loss

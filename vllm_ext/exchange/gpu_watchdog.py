@@ -39,6 +39,11 @@ KEPT_VERDICTS = 4096
 LOST = "afd peer lost: "  # how a loss's reason starts (afd_ctl.errors.AfdPeerLost)
 
 
+def failure_error(why: str) -> Exception:
+    """The error a step failed with: AfdPeerLost for a loss, AfdTimeout past its bound."""
+    return AfdPeerLost(why.removeprefix(LOST)) if why.startswith(LOST) else AfdTimeout(why)
+
+
 class Event(Protocol):
     """What the watchdog needs of a CUDA event (vllm_ext.exchange.gpu's; the tests' simulated
     stream provides its own)."""
@@ -96,6 +101,7 @@ class StepWatchdog:
         # step id -> None (ran to its end) or why it failed; asked once by `verdict`.
         self._verdicts: OrderedDict[int, str | None] = OrderedDict()
         self._failure: str | None = None  # sticky until reset(): every later step fails
+        self._failure_told = False
         self._retired: deque[Retired] = deque(maxlen=KEPT_VERDICTS)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -120,9 +126,7 @@ class StepWatchdog:
         for step_id in step_ids:
             why = self._settled(step_id, bound_s + POISONED_DRAIN_S + 1.0)
             if why is not None:
-                if why.startswith(LOST):
-                    raise AfdPeerLost(why.removeprefix(LOST))
-                raise AfdTimeout(why)
+                raise failure_error(why)
 
     def _settled(self, step_id: int, wait_s: float) -> str | None:
         deadline = self._clock() + wait_s
@@ -161,11 +165,21 @@ class StepWatchdog:
                 raise RuntimeError(self.fatal)
             self._sleep(POLL_S)
 
+    def take_failure(self) -> str | None:
+        """The failure of the steps in flight, once (the host fails its next step at once
+        instead of waiting for afd-ctl's next view before it)."""
+        with self._cond:
+            if self._failure is None or self._failure_told:
+                return None
+            self._failure_told = True
+            return self._failure
+
     def reset(self) -> None:
         """After a reconnect: the stream is empty and the flags are zeroed; steps may run."""
         with self._cond:
             self._inflight.clear()
             self._failure = None
+            self._failure_told = False
 
     @property
     def in_flight(self) -> int:

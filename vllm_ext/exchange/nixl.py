@@ -130,6 +130,9 @@ class NixlAttentionExchange:
     def settle(self, step_ids: Sequence[int]) -> None:
         """Nothing to settle: each step's end waited for its last outputs."""
 
+    def raise_failure(self) -> None:
+        """Nothing in flight between steps."""
+
     def drain(self, reason: str) -> None:
         """Nothing in flight between steps (reconnect forgets an unfinished step)."""
 
