@@ -149,7 +149,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 attn_ex.begin_step(Step.of(step, [[args.rows]]))
                 for layer in range(args.layers):
-                    attn_ex.exchange(layer, 0, hidden, None, out)
+                    attn_ex.post(layer, 0, hidden, None)
+                    attn_ex.take(layer, 0, out)
                 attn_ex.end_step()
                 times.append(time.perf_counter() - t0)
             if i >= 2:

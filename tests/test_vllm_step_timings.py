@@ -93,7 +93,8 @@ def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
             attn_ex.begin_step(Step.of(step, [[ROWS]]))
             for layer in range(LAYERS):
                 out = torch.empty_like(hidden)
-                attn_ex.exchange(layer, 0, hidden, None, out)
+                attn_ex.post(layer, 0, hidden, None)
+                attn_ex.take(layer, 0, out)
                 assert torch.equal(out, hidden * 2)
             attn_ex.end_step()
             if step == 100:  # the windows have reports by now: both workers are asked

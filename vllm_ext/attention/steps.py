@@ -283,7 +283,8 @@ class AttentionSteps:
                     hand_over()
                     exchange.take(layer_idx, stage, output)
                 else:
-                    exchange.exchange(layer_idx, stage, hidden_states, router_logits, output)
+                    exchange.post(layer_idx, stage, hidden_states, router_logits)
+                    exchange.take(layer_idx, stage, output)
         except Exception as exc:
             if not overlapped:
                 raise

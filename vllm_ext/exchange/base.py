@@ -31,9 +31,9 @@ class StepSplit:
 
 class AttentionExchange(Protocol):
     """An attention worker's exchange. Per step: `begin_step` (before the payload is
-    published), per layer and micro-batch `exchange` (or `post`, a hand-over to the other
-    micro-batch, then `take`), `end_step` after the forward. `settle` is the verdict of closed
-    steps, asked where vLLM first reads what they produced."""
+    published), per layer and micro-batch `post` then `take` (under dual-batch overlap with a
+    hand-over to the other micro-batch between them), `end_step` after the forward.
+    `settle` is the verdict of closed steps, asked where vLLM first reads what they produced."""
 
     path: str  # afd_data.gpu_protocol's GPU or NIXL, for reports and logs
     device: str  # where rows for `post` may live ("cpu" or "cuda:N")
@@ -43,23 +43,13 @@ class AttentionExchange(Protocol):
 
     def begin_step(self, step: Step) -> None: ...
 
-    def exchange(
-        self,
-        layer: int,
-        stage: int,
-        hidden: torch.Tensor,
-        router: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        """One layer's round trip: `hidden` out, the FFN peers' outputs summed into `out`."""
-
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
     ) -> None:
-        """The send half of `exchange` (dual-batch overlap hands over between the halves)."""
+        """The send half of one layer's round trip: `hidden` (rows, hidden_size) out."""
 
     def take(self, layer: int, stage: int, out: torch.Tensor) -> None:
-        """The receive half of `exchange`: the outputs of what `post` sent, summed into `out`."""
+        """The receive half: the FFN peers' outputs of what `post` sent, summed into `out`."""
 
     def end_step(self) -> None:
         """After the step's forward was run (or enqueued): the step is closed."""

@@ -153,17 +153,6 @@ class GpuAttentionExchange(_GpuSide):
         # A FULL-graph capture step records the exchange and runs nothing: no events.
         self._start = None if step.flags.records_only else CudaEvent()
 
-    def exchange(
-        self,
-        layer: int,
-        stage: int,
-        hidden: torch.Tensor,
-        router: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        self.post(layer, stage, hidden, router)
-        self.take(layer, stage, out)
-
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
     ) -> None:

@@ -59,17 +59,6 @@ class NixlAttentionExchange:
         if self.reporting.timings is not None:
             self.reporting.timings.begin(step.step_id, self)
 
-    def exchange(
-        self,
-        layer: int,
-        stage: int,
-        hidden: torch.Tensor,
-        router: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        self.post(layer, stage, hidden, router)
-        self.take(layer, stage, out)
-
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
     ) -> None:
