@@ -255,7 +255,7 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
         if why is not None:
             await refuse(context, why)
             return
-        tap = self.controller.add_tap(request.include_payloads, peer)
+        tap = self.controller.taps.add(request.include_payloads, peer)
         try:
             # Headers now, not with the first event: the client can tell it is subscribed.
             await context.send_initial_metadata(())
@@ -273,7 +273,7 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
                 if event.HasField("payload"):
                     tap.mailbox.last_step_id = event.payload.step_id
         finally:
-            self.controller.remove_tap(tap)
+            self.controller.taps.remove(tap)
             self.watch_limits.release(peer)
 
     async def Stop(  # noqa: N802
@@ -285,7 +285,7 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
     async def GetTimings(  # noqa: N802
         self, request: afd_pb2.GetTimingsRequest, context: grpc.aio.ServicerContext
     ) -> afd_pb2.Timings:
-        return self.controller.timings()
+        return self.controller.timing.timings()
 
     async def Trace(  # noqa: N802
         self, request: afd_pb2.TraceRequest, context: grpc.aio.ServicerContext

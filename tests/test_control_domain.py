@@ -247,7 +247,7 @@ def test_step_ids_must_increase_per_sender():
 def test_slow_subscriber_is_cut_off_with_a_reason():
     async def scenario():
         c = Controller(DaemonConfig(subscriber_queue=8), first_epoch=1)
-        tap = c.add_tap(include_payloads=True)
+        tap = c.taps.add(include_payloads=True)
         a = c.open_session(WorkerSpec("a0", ATTENTION), "p")
         f = c.open_session(WorkerSpec("f0", FFN), "p")
         for step in range(1, 20):
