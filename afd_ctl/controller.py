@@ -68,13 +68,14 @@ class Controller:
         self.steps_relayed = 0
         self.payloads_rejected = 0
         self.last_step_id = 0
+        self.last_payload_at = 0.0
         self.health_listeners: list[Callable[[str], None]] = []
         # The address actually bound (the configured one may say port 0).
         self.listen_address = config.listen
         self._targets: dict[int, list[Mailbox[afd_pb2.SessionMessage]]] = {}
         self._targets_epoch = -1
         # Issue 26: each reporting worker's rolling window, and the trace being recorded.
-        self.timing = TimingBook()
+        self.timing = TimingBook(self.membership.ffn_groups)
 
     # -- health --------------------------------------------------------------------------
     @property
@@ -212,6 +213,8 @@ class Controller:
             raise
         sender.last_step_id = payload.step_id
         self.last_step_id = payload.step_id
+        self.last_payload_at = time.monotonic()
+        self.timing.on_payload(sender, payload)
         if payload.stop:
             self.stop_relayed = True
         self.steps_relayed += 1
@@ -271,19 +274,10 @@ class Controller:
             for worker_id, session in self.sessions.items()
             if self.timing.reporting(worker_id)
         }
-        if not asked:
-            raise ControlError(
-                "FAILED_PRECONDITION",
-                "no worker reports step timings, so none can record a trace (workers report "
-                "through ControllerClient.timings; an older worker does not)",
-            )
         trace, start = self.timing.start_trace(steps, asked, self.last_step_id)
         for worker_id in asked:
             self.sessions[worker_id].mailbox.offer(afd_pb2.SessionMessage(trace_start=start))
         return trace
-
-    def end_trace(self, trace: PendingTrace) -> None:
-        self.timing.end_trace(trace)
 
     # -- events --------------------------------------------------------------------------
     def _broadcast(

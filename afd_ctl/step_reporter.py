@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from afd_ctl.step_window import MAX_STEP_ENTRIES
+from afd_ctl.report_checks import MAX_STEP_ENTRIES
 from afd_ctl.v1 import afd_pb2
 
 MAX_SPANS = 20000

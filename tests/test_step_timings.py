@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from afd_ctl.advice import AdviceRefused, advise
-from afd_ctl.step_window import MAX_STEP_ENTRIES, StepWindows, load_of
+from afd_ctl.report_checks import MAX_STEP_ENTRIES
+from afd_ctl.step_window import StepWindows, load_of
 from afd_ctl.trace import PendingTrace, align, check_trace_events, to_chrome
 from afd_ctl.v1 import afd_pb2
 from tests.procs import child_env, sim_worker
