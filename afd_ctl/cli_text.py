@@ -56,18 +56,25 @@ def format_status(status: afd_pb2.Status) -> str:
                 f"{sub.worker_id:<28} {sub.queued:>7} {sub.queue_capacity:>9} {sub.last_step_id:>10}"
             )
     if status.loads:
+        # Serving steps only; warm-up, profile and capture steps counted apart (WARM-UP).
         lines += [
             "",
             f"{'LOAD (ROLLING WINDOW)':<28} {'ROLE':<9} {'STEPS':>6} {'UTIL':>5} {'WAIT':>5} "
-            f"{'COMPUTE MS':>10} {'WAIT MS':>8} {'TOKENS':>7}",
+            f"{'COMPUTE MS':>10} {'WAIT MS':>8} {'TOKENS':>7} {'WARM-UP':>7}",
         ]
         for load in status.loads:
             lines.append(
                 f"{load.worker_id:<28} {afd_pb2.Role.Name(load.role).lower():<9} "
                 f"{load.steps:>6} {load.utilisation:>5.0%} {load.waiting_share:>5.0%} "
                 f"{load.compute_ms_per_step:>10.3f} {load.wait_ms_per_step:>8.3f} "
-                f"{load.tokens_per_step:>7.1f}"
+                f"{load.tokens_per_step:>7.1f} {load.warmup_steps:>7}"
             )
+        for load in status.loads:
+            if load.last_refusal:
+                lines.append(
+                    f"  {load.worker_id}: {load.reports_dropped} report(s) refused, the last: "
+                    f"{load.last_refusal}"
+                )
     if status.taps:
         lines += [
             "",
