@@ -13,7 +13,7 @@ as 0 (said in the advice). Then
     tokens/s per GPU at A:1 = A*b / (L * max(T_a(b), c0 + c1*A*b) * (A + 1))
 
 Issue 38: the statistics are robust, because a real pair's steps are not a lab's: T_a and b are
-medians, the FFN line a Theil-Sen fit (the median of slopes between sampled pairs of steps), so
+medians, the FFN line a Theil-Sen fit (the median of the slopes between steps of different sizes), so
 a compile step or a hiccup of the machine moves nothing. Warm-up, profile and capture steps
 never reach the window (the daemon counts them apart). A noisy window gets an answer with its
 interval: A* recomputed over resamples of the window's reports (a bootstrap), 5th to 95th
@@ -39,7 +39,7 @@ MIN_REPORTS = 3
 MAX_NOISE = 0.25
 CANDIDATES = (1, 2, 3, 4, 6, 8)
 RESAMPLES = 100
-PAIRS = 1000
+MAX_GROUPS = 64
 # The FFN's tokens per step vary too little to fit c0 when fewer pairs of steps than this differ.
 MIN_VARYING_PAIRS = 0.2
 Point = tuple[float, float, float]  # tokens, compute s, wait s of one step
@@ -69,7 +69,8 @@ class Advice:
     candidates: list[Candidate]
     assumptions: list[str]
     notes: list[str] = field(default_factory=list)
-    # A* over resamples of the window's reports: 5th and 95th percentile.
+    # A* over resamples of the window's reports: 5th and 95th percentile (widened to A* itself
+    # when that lies outside).
     balanced_ratio_interval: tuple[float, float] = (math.nan, math.nan)
     noisy: bool = False
 
@@ -115,27 +116,52 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def fit_line(
-    points: Sequence[tuple[float, float]], rng: random.Random | None = None
-) -> tuple[float, float, bool]:
-    """Theil-Sen y = c0 + c1*x: c1 the median slope between sampled pairs of points, c0 the
-    median of y - c1*x; (c0, c1, whether x varied enough to fit c0). Otherwise (x nearly
-    constant, or a line that is not one) y = c1*x through the medians."""
-    rng = rng or random.Random(0)
+def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The value at half the total weight of (value, weight) pairs."""
+    ordered = sorted(pairs)
+    half = sum(w for _, w in ordered) / 2
+    seen = 0.0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= half:
+            return value
+    return ordered[-1][0] if ordered else 0.0
+
+
+def _groups(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, int]]:
+    """(x, median y, count) per distinct x, or per one of MAX_GROUPS bins of equal count when
+    x takes more values than that."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in points:
+        by_x.setdefault(x, []).append(y)
+    if len(by_x) <= MAX_GROUPS:
+        return [(x, _median(ys), len(ys)) for x, ys in sorted(by_x.items())]
+    ordered = sorted(points)
+    size = -(-len(ordered) // MAX_GROUPS)
+    chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    return [(_median([x for x, _ in c]), _median([y for _, y in c]), len(c)) for c in chunks]
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float, bool]:
+    """Theil-Sen y = c0 + c1*x over groups of equal x: c1 the median of the slopes between
+    every two groups, each weighted by the pairs of steps it stands for, c0 the median of
+    y - c1*x; (c0, c1, whether x varied enough to fit c0). Otherwise (x nearly constant, or a
+    line that is not one) y = c1*x through the medians."""
     xs = [x for x, _ in points]
-    ys = [y for _, y in points]
-    mx, my = _median(xs), _median(ys)
+    mx, my = _median(xs), _median([y for _, y in points])
     if mx <= 0:
         return my, 0.0, False
+    groups = _groups(points)
+    slopes = [
+        ((y2 - y1) / (x2 - x1), n1 * n2)
+        for i, (x1, y1, n1) in enumerate(groups)
+        for x2, y2, n2 in groups[i + 1 :]
+        if x2 - x1 > 0.05 * mx  # steps of nearly the same size say nothing of a slope
+    ]
     n = len(points)
-    slopes = []
-    for _ in range(PAIRS if n > 1 else 0):
-        (x1, y1), (x2, y2) = points[rng.randrange(n)], points[rng.randrange(n)]
-        if abs(x2 - x1) > 0.05 * mx:  # steps of nearly the same size say nothing of a slope
-            slopes.append((y2 - y1) / (x2 - x1))
-    if len(slopes) < MIN_VARYING_PAIRS * PAIRS:
+    if sum(w for _, w in slopes) < MIN_VARYING_PAIRS * n * (n - 1) / 2:
         return 0.0, my / mx, False
-    c1 = _median(slopes)
+    c1 = _weighted_median(slopes)
     c0 = _median([y - c1 * x for x, y in points])
     if c0 < 0 or c1 <= 0:  # a line through noise; fall back to proportional
         return 0.0, my / mx, False
@@ -156,10 +182,10 @@ class Estimate:
         return (self.t_a_step / layers - c0) / (c1 * self.b) if c1 > 0 and self.b > 0 else math.inf
 
 
-def _estimate(attention: list[list[Point]], ffn: list[list[Point]], rng: random.Random) -> Estimate:
+def _estimate(attention: list[list[Point]], ffn: list[list[Point]]) -> Estimate:
     a_points = [p for r in attention for p in r]
     f_points = [p for r in ffn for p in r]
-    c0, c1, fitted = fit_line([(x, y) for x, y, _ in f_points], rng)
+    c0, c1, fitted = fit_line([(x, y) for x, y, _ in f_points])
     return Estimate(
         t_a_step=_median([c for _, c, _ in a_points]),
         b=_median([x for x, _, _ in a_points]),
@@ -179,7 +205,7 @@ def _interval(
     for _ in range(RESAMPLES):
         a = [attention[rng.randrange(len(attention))] for _ in attention]
         f = [ffn[rng.randrange(len(ffn))] for _ in ffn]
-        value = _estimate(a, f, rng).balanced(layers)
+        value = _estimate(a, f).balanced(layers)
         if math.isfinite(value):
             values.append(value)
     if len(values) < RESAMPLES // 2:
@@ -196,7 +222,7 @@ def advise(timings: afd_pb2.Timings) -> Advice:
     layers = max(w.load.layers for w in timings.workers) or 1
     a_reports, f_reports = _reports(attention), _reports(ffn)
     rng = random.Random(0)  # the same window gives the same advice
-    est = _estimate(a_reports, f_reports, rng)
+    est = _estimate(a_reports, f_reports)
     if est.b <= 0:
         raise AdviceRefused("the attention workers report 0 tokens per step: no traffic yet")
     a_compute = [c for r in a_reports for _, c, _ in r]
@@ -205,7 +231,11 @@ def advise(timings: afd_pb2.Timings) -> Advice:
     f_mean = _median([y for _, y, _ in f_points])
     f_residual = _median([abs(y - (est.c0_step + est.c1_step * x)) for x, y, _ in f_points])
     f_noise = f_residual / f_mean if f_mean > 0 else math.inf
-    interval = _interval(a_reports, f_reports, layers, rng)
+    lo, hi = _interval(a_reports, f_reports, layers, rng)
+    # A lopsided spread of resamples can leave the window's own estimate outside their 90%:
+    # the interval then reaches out to it.
+    a_star = est.balanced(layers)
+    interval = (min(lo, a_star), max(hi, a_star)) if math.isfinite(a_star) else (lo, hi)
     b, fitted, ffn_tokens = est.b, est.fitted, est.ffn_tokens
     t_a = est.t_a_step / layers  # per layer, seconds
     c0, c1 = est.c0_step / layers, est.c1_step / layers
@@ -306,31 +336,3 @@ def advise(timings: afd_pb2.Timings) -> Advice:
         ],
         notes=notes,
     )
-
-
-def format_advice(advice: Advice) -> str:
-    i = advice.inputs
-    lines = [
-        f"bottleneck   {advice.bottleneck} side: {advice.why}",
-        f"formula      {advice.formula}",
-        f"inputs       M={i['M_attention_workers']:.0f} N={i['N_ffn_workers']:.0f} "
-        f"b={i['b_tokens_per_attention_step']:.1f} tokens L={i['L_layers']:.0f} "
-        f"T_a(b)={i['T_a_ms_per_layer']:.3f} ms c0={i['c0_ms_per_layer']:.3f} ms "
-        f"c1={i['c1_us_per_token_per_layer']:.3f} us/token "
-        f"(from {i['attention_steps']:.0f} attention and {i['ffn_steps']:.0f} FFN steps)",
-        f"balance      A* = {advice.balanced_ratio:.2f} attention per FFN worker "
-        f"(90% interval {advice.balanced_ratio_interval[0]:.2f} to "
-        f"{advice.balanced_ratio_interval[1]:.2f}{', noisy' if advice.noisy else ''}); "
-        f"best candidate {advice.recommended}",
-        "",
-        f"{'RATIO':>7} {'LAYER MS':>9} {'BOTTLENECK':>10} {'TOKENS/S/GPU':>13}",
-    ]
-    for c in advice.candidates:
-        lines.append(
-            f"{c.attention:>5}:{c.ffn:<1} {c.layer_ms:>9.3f} {c.bottleneck:>10} "
-            f"{c.tokens_per_s_per_gpu:>13.1f}"
-        )
-    lines += ["", "assumptions"] + [f"  - {a}" for a in advice.assumptions]
-    if advice.notes:
-        lines += ["notes"] + [f"  - {n}" for n in advice.notes]
-    return "\n".join(lines)

@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="bottleneck side and the attention:FFN ratio that balances them",
         description="From the workers' rolling timing windows: which side is the bottleneck, "
         "the attention:FFN ratio that balances them (formula and inputs shown) and the "
-        "predicted tokens/s per GPU of a few ratios. Refuses when the window is too short or "
-        "too noisy (exit 3).",
+        "predicted tokens/s per GPU of a few ratios, from medians of serving steps, with the "
+        "ratio's interval (a noisy window is answered and says so). Refuses only without data: "
+        "a side that does not report, or fewer than 50 steps in 3 reports (exit 3).",
     )
     client_flags(advise)
     advise.add_argument("--json", action="store_true")
@@ -179,12 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="record N steps across every worker as a Chrome/Perfetto trace",
         description="Ask every reporting worker to record the next N steps and write them as "
         "trace-event JSON (ui.perfetto.dev, chrome://tracing): one track per worker, clocks "
-        "aligned to the daemon's (method and error in the file's metadata).",
+        "aligned to the daemon's (method and error in the file's metadata). Fails in one line "
+        "before recording when --out cannot be written, and after 5 s when no step runs.",
     )
     client_flags(trace)
     trace.add_argument("--steps", type=int, default=10, help="consecutive steps (10)")
     trace.add_argument("--out", required=True, help="file to write")
-    trace.add_argument("--wait-s", type=float, default=30.0, help="wait for the workers (30)")
+    trace.add_argument(
+        "--wait-s", type=float, default=30.0, help="wait for the workers' spans (30)"
+    )
     return parser
 
 

@@ -6,8 +6,12 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+
+if TYPE_CHECKING:
+    from afd_ctl.advice import Advice
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -15,7 +19,7 @@ Metadata = tuple[tuple[str, str], ...]
 def run_advise(
     stub: afd_pb2_grpc.AFDInspectStub, args: argparse.Namespace, metadata: Metadata
 ) -> int:
-    from afd_ctl.advice import AdviceRefused, advise, format_advice
+    from afd_ctl.advice import AdviceRefused, advise
 
     timings = stub.GetTimings(afd_pb2.GetTimingsRequest(), timeout=args.timeout, metadata=metadata)
     try:
@@ -27,6 +31,34 @@ def run_advise(
         return 3
     print(json.dumps(advice.to_dict(), indent=2) if args.json else format_advice(advice))
     return 0
+
+
+def format_advice(advice: Advice) -> str:
+    i = advice.inputs
+    lines = [
+        f"bottleneck   {advice.bottleneck} side: {advice.why}",
+        f"formula      {advice.formula}",
+        f"inputs       M={i['M_attention_workers']:.0f} N={i['N_ffn_workers']:.0f} "
+        f"b={i['b_tokens_per_attention_step']:.1f} tokens L={i['L_layers']:.0f} "
+        f"T_a(b)={i['T_a_ms_per_layer']:.3f} ms c0={i['c0_ms_per_layer']:.3f} ms "
+        f"c1={i['c1_us_per_token_per_layer']:.3f} us/token "
+        f"(from {i['attention_steps']:.0f} attention and {i['ffn_steps']:.0f} FFN steps)",
+        f"balance      A* = {advice.balanced_ratio:.2f} attention per FFN worker "
+        f"(90% interval {advice.balanced_ratio_interval[0]:.2f} to "
+        f"{advice.balanced_ratio_interval[1]:.2f}{', noisy' if advice.noisy else ''}); "
+        f"best candidate {advice.recommended}",
+        "",
+        f"{'RATIO':>7} {'LAYER MS':>9} {'BOTTLENECK':>10} {'TOKENS/S/GPU':>13}",
+    ]
+    for c in advice.candidates:
+        lines.append(
+            f"{c.attention:>5}:{c.ffn:<1} {c.layer_ms:>9.3f} {c.bottleneck:>10} "
+            f"{c.tokens_per_s_per_gpu:>13.1f}"
+        )
+    lines += ["", "assumptions"] + [f"  - {a}" for a in advice.assumptions]
+    if advice.notes:
+        lines += ["notes"] + [f"  - {n}" for n in advice.notes]
+    return "\n".join(lines)
 
 
 def out_path_problem(path: str) -> str:
