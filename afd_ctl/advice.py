@@ -40,8 +40,8 @@ MAX_NOISE = 0.25
 CANDIDATES = (1, 2, 3, 4, 6, 8)
 RESAMPLES = 100
 MAX_GROUPS = 64
-# The FFN's tokens per step vary too little to fit c0 when fewer pairs of steps than this differ.
-MIN_VARYING_PAIRS = 0.2
+# A step size counts for the FFN's line when at least this share of its steps have it.
+MIN_GROUP_SHARE = 0.01
 Point = tuple[float, float, float]  # tokens, compute s, wait s of one step
 
 
@@ -144,22 +144,23 @@ def _groups(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, i
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float, bool]:
     """Theil-Sen y = c0 + c1*x over groups of equal x: c1 the median of the slopes between
-    every two groups, each weighted by the pairs of steps it stands for, c0 the median of
-    y - c1*x; (c0, c1, whether x varied enough to fit c0). Otherwise (x nearly constant, or a
-    line that is not one) y = c1*x through the medians."""
+    every two groups that hold at least MIN_GROUP_SHARE of the points (5 at least), each slope
+    weighted by the pairs of steps it stands for; c0 the median of y - c1*x; (c0, c1, whether
+    x varied enough to fit c0). Otherwise (one size of step, or a line that is not one)
+    y = c1*x through the medians."""
     xs = [x for x, _ in points]
     mx, my = _median(xs), _median([y for _, y in points])
     if mx <= 0:
         return my, 0.0, False
-    groups = _groups(points)
+    least = max(5.0, MIN_GROUP_SHARE * len(points))
+    groups = [g for g in _groups(points) if g[2] >= least]
     slopes = [
         ((y2 - y1) / (x2 - x1), n1 * n2)
         for i, (x1, y1, n1) in enumerate(groups)
         for x2, y2, n2 in groups[i + 1 :]
         if x2 - x1 > 0.05 * mx  # steps of nearly the same size say nothing of a slope
     ]
-    n = len(points)
-    if sum(w for _, w in slopes) < MIN_VARYING_PAIRS * n * (n - 1) / 2:
+    if not slopes:
         return 0.0, my / mx, False
     c1 = _weighted_median(slopes)
     c0 = _median([y - c1 * x for x, y in points])
