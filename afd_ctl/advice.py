@@ -145,9 +145,9 @@ def _groups(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, i
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float, bool]:
     """Theil-Sen y = c0 + c1*x over groups of equal x: c1 the median of the slopes between
     every two groups that hold at least MIN_GROUP_SHARE of the points (5 at least), each slope
-    weighted by the pairs of steps it stands for; c0 the median of y - c1*x; (c0, c1, whether
-    x varied enough to fit c0). Otherwise (one size of step, or a line that is not one)
-    y = c1*x through the medians."""
+    weighted by the pairs of steps it stands for (0 when that is negative); c0 the median of
+    y - c1*x; (c0, c1, whether x varied enough to fit c0). Otherwise (one size of step, or a
+    negative c0) y = c1*x through the medians."""
     xs = [x for x, _ in points]
     mx, my = _median(xs), _median([y for _, y in points])
     if mx <= 0:
@@ -162,9 +162,11 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float, bool]
     ]
     if not slopes:
         return 0.0, my / mx, False
-    c1 = _weighted_median(slopes)
+    # Compute that does not grow with the step's size: flat (c1 = 0), so no ratio makes the
+    # FFN side the bottleneck (A* infinite), which a proportional line would turn around.
+    c1 = max(0.0, _weighted_median(slopes))
     c0 = _median([y - c1 * x for x, y in points])
-    if c0 < 0 or c1 <= 0:  # a line through noise; fall back to proportional
+    if c0 < 0:  # steps cost more than their size explains: proportional is the closer line
         return 0.0, my / mx, False
     return c0, c1, True
 
@@ -206,13 +208,9 @@ def _interval(
     for _ in range(RESAMPLES):
         a = [attention[rng.randrange(len(attention))] for _ in attention]
         f = [ffn[rng.randrange(len(ffn))] for _ in ffn]
-        value = _estimate(a, f).balanced(layers)
-        if math.isfinite(value):
-            values.append(value)
-    if len(values) < RESAMPLES // 2:
-        return math.nan, math.nan
+        values.append(_estimate(a, f).balanced(layers))  # infinite: the FFN never limits
     values.sort()
-    return values[int(0.05 * (len(values) - 1))], values[int(0.95 * (len(values) - 1))]
+    return values[int(0.05 * (RESAMPLES - 1))], values[int(0.95 * (RESAMPLES - 1))]
 
 
 def advise(timings: afd_pb2.Timings) -> Advice:
@@ -236,7 +234,7 @@ def advise(timings: afd_pb2.Timings) -> Advice:
     # A lopsided spread of resamples can leave the window's own estimate outside their 90%:
     # the interval then reaches out to it.
     a_star = est.balanced(layers)
-    interval = (min(lo, a_star), max(hi, a_star)) if math.isfinite(a_star) else (lo, hi)
+    interval = (min(lo, a_star), max(hi, a_star))
     b, fitted, ffn_tokens = est.b, est.fitted, est.ffn_tokens
     t_a = est.t_a_step / layers  # per layer, seconds
     c0, c1 = est.c0_step / layers, est.c1_step / layers
@@ -258,7 +256,8 @@ def advise(timings: afd_pb2.Timings) -> Advice:
     balanced = (t_a - c0) / (c1 * b) if c1 > 0 else math.inf
     notes: list[str] = []
     lo, hi = interval
-    noisy = a_noise > MAX_NOISE or f_noise > MAX_NOISE or not (hi - lo <= 0.5 * balanced)
+    wide = not math.isfinite(hi) or hi - lo > 0.5 * balanced
+    noisy = a_noise > MAX_NOISE or f_noise > MAX_NOISE or wide
     if noisy:
         notes.append(
             f"noisy window: attention compute varies by {a_noise:.0%} from step to step "
@@ -293,6 +292,12 @@ def advise(timings: afd_pb2.Timings) -> Advice:
             )
         )
     best = max(candidates, key=lambda c: c.tokens_per_s_per_gpu)
+    if math.isinf(balanced):
+        notes.append(
+            "FFN compute does not grow with tokens per step over the sizes in the window "
+            "(c1 = 0): no attention:FFN ratio makes the FFN side the bottleneck in this model "
+            "(A* is infinite; the candidates show where attention keeps it)"
+        )
     if balanced < 1:
         notes.append(
             f"A* = {balanced:.2f} < 1: the FFN side is slower than attention even at 1:1; "

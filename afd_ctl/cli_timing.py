@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
@@ -29,8 +30,23 @@ def run_advise(
             print(json.dumps({"refused": str(exc)}))
         print(f"afd-ctl advise: {exc}", file=sys.stderr)
         return 3
-    print(json.dumps(advice.to_dict(), indent=2) if args.json else format_advice(advice))
+    if args.json:
+        print(json.dumps(finite(advice.to_dict()), indent=2))
+    else:
+        print(format_advice(advice))
     return 0
+
+
+def finite(value: Any) -> Any:
+    """`value` with every infinite or undefined float as None (A* is infinite when the FFN
+    never limits), so `--json` stays strict JSON for scripts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def format_advice(advice: Advice) -> str:

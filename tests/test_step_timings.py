@@ -366,3 +366,16 @@ def test_trace_on_an_idle_pair_says_so_within_seconds(start_daemon, procs, tmp_p
     # The slot is free again: the next trace is not "already being recorded".
     out = cli(daemon, "trace", "--steps", "3", "--out", str(tmp_path / "t.json"))
     assert "already being recorded" not in out.stderr and "idle" in out.stderr
+
+
+def test_advice_on_an_ffn_whose_time_does_not_grow_with_tokens():
+    """A flat FFN (a tiny model on a CPU comes close): A* is infinite, said in a note, and
+    `--json` writes it as null rather than the non-JSON Infinity."""
+    from afd_ctl.cli_timing import finite
+
+    advice = advise(timings(10, 20, 0.5e-3, 0.3e-3, 0.0))
+    assert advice.balanced_ratio == float("inf") and advice.bottleneck == "attention"
+    assert any("does not grow with tokens" in n for n in advice.notes)
+    out = finite(advice.to_dict())
+    assert out["balanced_ratio"] is None
+    json.dumps(out, allow_nan=False)

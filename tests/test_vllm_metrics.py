@@ -149,9 +149,11 @@ def test_attention_and_ffn_metrics(
     # simulated workers of tests/test_step_timings.py check that part.)
     advice = advice_under_steady_traffic(servers)
     assert advice["answered_after_s"] < 60
-    assert advice["balanced_ratio"] > 0 and advice["recommended"].endswith(":1")
-    lo, hi = advice["balanced_ratio_interval"]
-    assert lo <= advice["balanced_ratio"] <= hi, advice
+    assert advice["recommended"].endswith(":1")
+    # A* and its interval; None (JSON's stand-in for infinity) where the FFN never limits.
+    a_star, (lo, hi) = advice["balanced_ratio"], advice["balanced_ratio_interval"]
+    assert lo is not None and lo > 0, advice
+    assert a_star is None or (lo <= a_star and (hi is None or a_star <= hi)), advice
     loads = {x["role"]: x for x in advice["status"]["loads"]}
     assert set(loads) == {"ATTENTION", "FFN"}
     for load in loads.values():
