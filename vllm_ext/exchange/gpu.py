@@ -184,6 +184,7 @@ class GpuAttentionExchange(_GpuSide):
                 host_s=now - self._opened_at,
                 tokens=rows,
                 nbytes=self._nbytes(rows),
+                warmup=step.warmup,
             )
         )
         if self.reporting.timings is not None:
@@ -249,7 +250,15 @@ class GpuFfnExchange(_GpuSide):
         end = CudaEvent()
         self.watchdog.enqueue(
             InFlight(
-                step.step_id, start, end, self.bound_s, now, now - opened, rows, self._nbytes(rows)
+                step.step_id,
+                start,
+                end,
+                self.bound_s,
+                now,
+                now - opened,
+                rows,
+                self._nbytes(rows),
+                step.warmup,
             )
         )
         self.check()

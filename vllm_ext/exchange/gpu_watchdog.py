@@ -63,6 +63,7 @@ class InFlight:
     host_s: float  # the host's time in the step (open to enqueue)
     tokens: int = 0
     nbytes: int = 0
+    warmup: bool = False  # a warm-up, profile or capture step
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Retired:
     enqueued_at: float = 0.0
     start: Event | None = None
     end: Event | None = None
+    warmup: bool = False
 
 
 class StepWatchdog:
@@ -260,6 +262,7 @@ class StepWatchdog:
                         step.enqueued_at,
                         step.start,
                         step.end,
+                        step.warmup,
                     )
                 )
         if changed:

@@ -57,7 +57,7 @@ class NixlAttentionExchange:
         self.bound_s = self.plane.bound_s(step)
         self.transport.begin_step(step)
         if self.reporting.timings is not None:
-            self.reporting.timings.begin(step.step_id, self)
+            self.reporting.timings.begin(step.step_id, self, step.warmup)
 
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
@@ -158,7 +158,7 @@ class NixlFfnExchange:
         self.transport.begin_step(step)
         timings = self.reporting.timings
         if timings is not None:
-            timings.begin(step.step_id, self)
+            timings.begin(step.step_id, self, step.warmup)
         self.graphs.begin_step(step)
         recv_s = compute_s = send_s = 0.0
         with self.engine.step_scope():

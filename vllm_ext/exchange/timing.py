@@ -40,6 +40,7 @@ class ExchangeTimings:
         self.reporter = reporter
         self.tracing = False
         self._step: tuple[int, float, float, float] | None = None  # id, start, wait, post
+        self._warmup = False
         self._rows = self._bytes = 0
         self._mark = 0.0
 
@@ -47,8 +48,10 @@ class ExchangeTimings:
         """The exchange path the worker runs now (its reports say it)."""
         self.reporter.exchange_path = path
 
-    def begin(self, step_id: int, exchange: Any) -> None:
+    def begin(self, step_id: int, exchange: Any, warmup: bool = False) -> None:
+        """`warmup`: a warm-up, profile or capture step (reported apart from serving steps)."""
         now = time.monotonic()
+        self._warmup = warmup
         self._step = (step_id, now, exchange.wait_s, exchange.post_s)
         self._rows = self._bytes = 0
         self.tracing = self.reporter.tracing(step_id)
@@ -71,6 +74,7 @@ class ExchangeTimings:
             tokens=self._rows,
             nbytes=self._bytes,
             wall_s=wall,
+            warmup=self._warmup,
         )
 
     def count(self, layer: int, rows: int, nbytes: int) -> None:
@@ -112,4 +116,5 @@ class ExchangeTimings:
             tokens=retired.tokens,
             nbytes=retired.nbytes,
             wall_s=gpu_s,
+            warmup=retired.warmup,
         )
