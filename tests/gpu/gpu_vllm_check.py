@@ -394,6 +394,12 @@ def graphs_follow_flags(row: dict[str, Any], mode: str) -> bool | None:
         return None
     if mode == "eager":
         return ffn.get("graph_captures", 0) == 0 and ffn.get("graph_replay_steps", 0) == 0
+    if row.get("exchange_path") == "gpu":  # whole-step graphs: FULL-graph captures count too
+        return (
+            ffn.get("graph_keys") == flags.get("all_capture_keys")
+            and ffn.get("step_graph_late_captures", 0) == 0
+            and ffn.get("step_graph_replays", 0) > 0
+        )
     return (
         ffn.get("graph_keys") == flags.get("capture_keys")
         and ffn.get("graph_capture_steps") == flags.get("capture_steps")

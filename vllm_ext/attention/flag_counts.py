@@ -11,10 +11,14 @@ class FlagCounts(dict[str, int]):
     def __init__(self) -> None:
         super().__init__(capture_steps=0, replay_steps=0, eager_steps=0)
         self._capture_keys: set[tuple[int, ...]] = set()
+        self._all_capture_keys: set[tuple[int, ...]] = set()  # FULL-graph captures too
 
     def count(self, flags: StepFlags, counts: list[int]) -> None:
         """One published step. A FULL-graph capture (recorded, run by neither side) is counted
         apart."""
+        if flags.is_graph_capturing:
+            self._all_capture_keys.add(tuple(counts))
+            self["all_capture_keys"] = len(self._all_capture_keys)
         if flags.records_only:
             self["full_graph_captures"] = self.get("full_graph_captures", 0) + 1
         elif flags.is_graph_capturing:
