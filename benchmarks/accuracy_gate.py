@@ -74,25 +74,16 @@ def build_model(version: str, root: Path, ffn_gain: float = FFN_GAIN) -> Path:
     return out
 
 
-def _start_accuracy_run(model: Path, out: Path, log: Path, *args: str) -> Proc:
-    """One vllm_ext.testing.accuracy_run process (in-process engine), started."""
+def _accuracy_run(model: Path, out: Path, log: Path, *args: str) -> dict[str, Any]:
+    """One vllm_ext.testing.accuracy_run process (in-process engine) to its end."""
     argv = [sys.executable, "-m", "vllm_ext.testing.accuracy_run", str(model), "--out", str(out)]
-    return Proc([*argv, *args], log, vllm_env(in_process=True))
-
-
-def _finish_accuracy_run(proc: Proc, out: Path) -> dict[str, Any]:
-    """Waits for a started accuracy_run to its end; its report."""
+    proc = Proc([*argv, *args], log, vllm_env(in_process=True))
     try:
         proc.json_report(timeout=RUN_TIMEOUT_S)
         assert proc.wait(60) == 0, proc.tail()
     finally:
         proc.stop()
     return json.loads(out.read_text())
-
-
-def _accuracy_run(model: Path, out: Path, log: Path, *args: str) -> dict[str, Any]:
-    """One vllm_ext.testing.accuracy_run process (in-process engine) to its end."""
-    return _finish_accuracy_run(_start_accuracy_run(model, out, log, *args), out)
 
 
 def afd_run(
@@ -121,12 +112,7 @@ def afd_run(
 def gate_model(
     model: Path, work: Path, prompts: int, tokens: int, *, faults: tuple[str, ...] = FAULTS
 ) -> dict[str, Any]:
-    """Every case of one model: {"envelope": ..., "cases": [...], "timings_s": ...}.
-
-    The compiled run spends most of its minute or more in torch.compile, on one core, and
-    needs nothing from the AFD runs: it runs beside them (timings_s overlap), which shortens
-    the whole by about that minute on 2 cores. Every run is deterministic (greedy, float32,
-    one OpenMP thread), so running beside another changes its time, not its numbers."""
+    """Every case of one model: {"envelope": ..., "cases": [...], "timings_s": ...}."""
     work.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t = time.monotonic()
@@ -134,10 +120,12 @@ def gate_model(
     reference = _accuracy_run(model, ref_path, work / "colocated-eager.log",
                               "--prompts", str(prompts), "--tokens", str(tokens))  # fmt: skip
     timings["colocated_eager"] = time.monotonic() - t
-    compiled_started = time.monotonic()
-    compiled_path = work / "colocated-compiled.json"
-    compiled_proc = _start_accuracy_run(model, compiled_path, work / "colocated-compiled.log",
-                                        "--reference", str(ref_path), "--compiled")  # fmt: skip
+    t = time.monotonic()
+    compiled = _accuracy_run(model, work / "colocated-compiled.json",
+                             work / "colocated-compiled.log", "--reference", str(ref_path),
+                             "--compiled")  # fmt: skip
+    timings["colocated_compiled"] = time.monotonic() - t
+    envelope = gate.compare(reference, compiled)
     runs: dict[str, tuple[dict[str, Any], str]] = {}
     plan: list[tuple[str, int, dict[str, str] | None, str]] = [
         ("afd_1to1_eager", 1, None, "pass"),
@@ -145,16 +133,10 @@ def gate_model(
     ]
     for spec in faults:
         plan.append((f"afd_1to1_eager_fault_{spec}", 1, {"AFD_TEST_FAULT": spec}, "fail"))
-    try:
-        for name, ffns, env, expected in plan:
-            t = time.monotonic()
-            runs[name] = (afd_run(model, work, name, ref_path, ffns, env), expected)
-            timings[name] = time.monotonic() - t
-        compiled = _finish_accuracy_run(compiled_proc, compiled_path)
-    finally:
-        compiled_proc.stop()
-    timings["colocated_compiled"] = time.monotonic() - compiled_started
-    envelope = gate.compare(reference, compiled)
+    for name, ffns, env, expected in plan:
+        t = time.monotonic()
+        runs[name] = (afd_run(model, work, name, ref_path, ffns, env), expected)
+        timings[name] = time.monotonic() - t
     cases = []
     for name, (run, expected) in runs.items():
         case = gate.gate_case(name, reference, run, envelope)
