@@ -12,6 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+# vLLM's CUDAGraphMode of the installed line: both vLLM lines.
+pytestmark = pytest.mark.both_lines
+
 
 def _config(mode: str, splitting_ops: list[str]) -> SimpleNamespace:
     from vllm.config.compilation import CUDAGraphMode
