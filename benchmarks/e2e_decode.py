@@ -521,7 +521,11 @@ def cpu_run(args: argparse.Namespace) -> dict[str, Any]:
     afd_row, colo_row = afd["batches"][b], colo["batches"][b]
     afd_tpot, colo_tpot = (Spread.of(r["tpot_ms_repeats"]) for r in (afd_row, colo_row))
     r = ratio(afd_tpot, colo_tpot)
-    exchange = afd.get("afd_exchange", {})
+    # The attention side's exchange per layer over decode steps only (the runner's N-token run
+    # less a 1-token run), not its whole-run counters, which count warm-up and prefills too.
+    per_layer = 1e3 / max(1e-9, float(afd_row.get("exchanges_per_step", 0.0)))
+    post_us = per_layer * float(afd_row.get("exchange_post_ms_per_step", 0.0))
+    wait_us = per_layer * float(afd_row.get("exchange_wait_ms_per_step", 0.0))
     ffn_send = float(ffn_stats.get("send_ms_median", 0.0))
     # Medians over the FFN server's last 1000 steps: a typical decode step (the means also
     # count the memory-profiling run and the prefills).
@@ -548,12 +552,10 @@ def cpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "afd_exchange_overhead_ms_per_step": round(afd_row["mlp_ms_per_step"] - ffn_compute, 3),
         "ffn_steps_served": ffn_stats.get("steps"),
         "colocated_mlp_us_per_layer": round(1e3 * colo_row["mlp_ms_per_step"] / layers, 1),
-        "attention_post_us_per_layer": round(exchange.get("post_us_per_layer", 0.0), 1),
+        "attention_post_us_per_layer": round(post_us, 1),
         "ffn_compute_us_per_layer": round(1e3 * ffn_compute / layers, 1),
         "ffn_post_us_per_layer": round(1e3 * ffn_send / layers, 1),
-        "hops_us_per_layer": round(
-            exchange.get("wait_us_per_layer", 0.0) - 1e3 * (ffn_compute + ffn_send) / layers, 1
-        ),
+        "hops_us_per_layer": round(wait_us - 1e3 * (ffn_compute + ffn_send) / layers, 1),
         "late_events_checked": afd.get("late_events_checked", []),
         "wall_s": round(time.monotonic() - started, 1),
     }
