@@ -67,7 +67,7 @@ class AFDControlPayload(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., sender_role_rank: _Optional[int] = ..., stages: _Optional[_Mapping[int, DPMetadata]] = ..., is_warmup: _Optional[bool] = ..., is_graph_capturing: _Optional[bool] = ..., is_graph_replaying: _Optional[bool] = ..., is_profile: _Optional[bool] = ..., stop: _Optional[bool] = ..., records_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model")
+    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model", "max_attention", "max_ffn", "follows_scale")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,9 @@ class RegisterRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_BLOB_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_FFN_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_SCALE_FIELD_NUMBER: _ClassVar[int]
     role: Role
     dp_rank: int
     dp_size: int
@@ -84,7 +87,10 @@ class RegisterRequest(_message.Message):
     worker_id: str
     data_plane_blob: bytes
     model: ModelFingerprint
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ...) -> None: ...
+    max_attention: int
+    max_ffn: int
+    follows_scale: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ..., follows_scale: _Optional[bool] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("architecture", "num_layers", "hidden_size", "num_routed_experts", "num_shared_experts", "dtype", "weights_digest")
@@ -143,7 +149,7 @@ class Route(_message.Message):
     def __init__(self, attention_rank: _Optional[int] = ..., ffn_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class View(_message.Message):
-    __slots__ = ("epoch", "controller_incarnation", "expected_attention", "expected_ffn", "complete", "routes", "sender_ranks", "peers")
+    __slots__ = ("epoch", "controller_incarnation", "expected_attention", "expected_ffn", "complete", "routes", "sender_ranks", "peers", "ffn_groups", "target", "leaving", "hold", "pending")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_ATTENTION_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +158,11 @@ class View(_message.Message):
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     SENDER_RANKS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    FFN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     controller_incarnation: str
     expected_attention: int
@@ -160,7 +171,22 @@ class View(_message.Message):
     routes: _containers.RepeatedCompositeFieldContainer[Route]
     sender_ranks: _containers.RepeatedScalarFieldContainer[int]
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
-    def __init__(self, epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., expected_attention: _Optional[int] = ..., expected_ffn: _Optional[int] = ..., complete: _Optional[bool] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., sender_ranks: _Optional[_Iterable[int]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+    ffn_groups: int
+    target: Topology
+    leaving: bool
+    hold: bool
+    pending: bool
+    def __init__(self, epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., expected_attention: _Optional[int] = ..., expected_ffn: _Optional[int] = ..., complete: _Optional[bool] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ..., sender_ranks: _Optional[_Iterable[int]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., ffn_groups: _Optional[int] = ..., target: _Optional[_Union[Topology, _Mapping]] = ..., leaving: _Optional[bool] = ..., hold: _Optional[bool] = ..., pending: _Optional[bool] = ...) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("attention", "ffn", "ffn_groups")
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    FFN_FIELD_NUMBER: _ClassVar[int]
+    FFN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    attention: int
+    ffn: int
+    ffn_groups: int
+    def __init__(self, attention: _Optional[int] = ..., ffn: _Optional[int] = ..., ffn_groups: _Optional[int] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("worker", "view", "is_sender", "publish_secret")
@@ -184,12 +210,22 @@ class MembershipEvent(_message.Message):
         SET_COMPLETE: _ClassVar[MembershipEvent.Kind]
         STOP: _ClassVar[MembershipEvent.Kind]
         DAEMON_DRAINING: _ClassVar[MembershipEvent.Kind]
+        TARGET_SET: _ClassVar[MembershipEvent.Kind]
+        FENCE: _ClassVar[MembershipEvent.Kind]
+        SCALED: _ClassVar[MembershipEvent.Kind]
+        RETIRED: _ClassVar[MembershipEvent.Kind]
+        CHANGE_ABORTED: _ClassVar[MembershipEvent.Kind]
     KIND_UNSPECIFIED: MembershipEvent.Kind
     PEER_JOINED: MembershipEvent.Kind
     PEER_LOST: MembershipEvent.Kind
     SET_COMPLETE: MembershipEvent.Kind
     STOP: MembershipEvent.Kind
     DAEMON_DRAINING: MembershipEvent.Kind
+    TARGET_SET: MembershipEvent.Kind
+    FENCE: MembershipEvent.Kind
+    SCALED: MembershipEvent.Kind
+    RETIRED: MembershipEvent.Kind
+    CHANGE_ABORTED: MembershipEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -207,18 +243,36 @@ class Heartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("register", "heartbeat", "leave", "timings", "trace")
+    __slots__ = ("register", "heartbeat", "leave", "timings", "trace", "drained", "fenced")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     register: RegisterRequest
     heartbeat: Heartbeat
     leave: Leave
     timings: StepTimings
     trace: TraceSpans
-    def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., trace: _Optional[_Union[TraceSpans, _Mapping]] = ...) -> None: ...
+    drained: Drained
+    fenced: Fenced
+    def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., trace: _Optional[_Union[TraceSpans, _Mapping]] = ..., drained: _Optional[_Union[Drained, _Mapping]] = ..., fenced: _Optional[_Union[Fenced, _Mapping]] = ...) -> None: ...
+
+class Drained(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Fenced(_message.Message):
+    __slots__ = ("epoch", "last_step_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    last_step_id: int
+    def __init__(self, epoch: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s", "step_tokens", "warmup", "exchange_path")
@@ -395,7 +449,7 @@ class TapLag(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., include_payloads: _Optional[bool] = ..., queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., delivered: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state", "taps", "loads", "ffn_groups")
+    __slots__ = ("health", "epoch", "controller_incarnation", "roles", "last_step_id", "steps_relayed", "payloads_rejected", "subscribers", "uptime_s", "listen", "recent_events", "health_state", "taps", "loads", "ffn_groups", "current", "change", "epoch_history", "last_change")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +465,10 @@ class Status(_message.Message):
     TAPS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     FFN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHANGE_FIELD_NUMBER: _ClassVar[int]
     health: str
     epoch: int
     controller_incarnation: str
@@ -426,7 +484,51 @@ class Status(_message.Message):
     taps: _containers.RepeatedCompositeFieldContainer[TapLag]
     loads: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
     ffn_groups: int
-    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., ffn_groups: _Optional[int] = ...) -> None: ...
+    current: Topology
+    change: ScaleChange
+    epoch_history: _containers.RepeatedCompositeFieldContainer[EpochRecord]
+    last_change: str
+    def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., ffn_groups: _Optional[int] = ..., current: _Optional[_Union[Topology, _Mapping]] = ..., change: _Optional[_Union[ScaleChange, _Mapping]] = ..., epoch_history: _Optional[_Iterable[_Union[EpochRecord, _Mapping]]] = ..., last_change: _Optional[str] = ...) -> None: ...
+
+class ScaleChange(_message.Message):
+    __slots__ = ("target", "phase", "started_at_s", "fence_at_s", "waiting_for", "reason")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[ScaleChange.Phase]
+        GATHER: _ClassVar[ScaleChange.Phase]
+        FENCE: _ClassVar[ScaleChange.Phase]
+    PHASE_UNSPECIFIED: ScaleChange.Phase
+    GATHER: ScaleChange.Phase
+    FENCE: ScaleChange.Phase
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_S_FIELD_NUMBER: _ClassVar[int]
+    FENCE_AT_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    target: Topology
+    phase: ScaleChange.Phase
+    started_at_s: float
+    fence_at_s: float
+    waiting_for: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, target: _Optional[_Union[Topology, _Mapping]] = ..., phase: _Optional[_Union[ScaleChange.Phase, str]] = ..., started_at_s: _Optional[float] = ..., fence_at_s: _Optional[float] = ..., waiting_for: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EpochRecord(_message.Message):
+    __slots__ = ("epoch", "at_s", "topology", "reason", "pause_s", "complete")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    at_s: float
+    topology: Topology
+    reason: str
+    pause_s: float
+    complete: bool
+    def __init__(self, epoch: _Optional[int] = ..., at_s: _Optional[float] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., reason: _Optional[str] = ..., pause_s: _Optional[float] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "role", "role_rank", "steps", "reports", "utilisation", "waiting_share", "compute_ms_per_step", "wait_ms_per_step", "send_ms_per_step", "tokens_per_step", "bytes_per_step", "layers", "reports_dropped", "warmup_steps", "warmup_compute_s", "last_refusal", "exchange_path")
@@ -559,3 +661,25 @@ class StopResponse(_message.Message):
     FFN_WORKERS_TOLD_FIELD_NUMBER: _ClassVar[int]
     ffn_workers_told: int
     def __init__(self, ffn_workers_told: _Optional[int] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("attention", "ffn", "expert_parallel_size", "reason")
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    FFN_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    attention: int
+    ffn: int
+    expert_parallel_size: int
+    reason: str
+    def __init__(self, attention: _Optional[int] = ..., ffn: _Optional[int] = ..., expert_parallel_size: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("current", "target", "message")
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    current: Topology
+    target: Topology
+    message: str
+    def __init__(self, current: _Optional[_Union[Topology, _Mapping]] = ..., target: _Optional[_Union[Topology, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...

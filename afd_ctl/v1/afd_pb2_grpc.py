@@ -202,6 +202,11 @@ class AFDInspectStub:
                 request_serializer=afd__ctl_dot_v1_dot_afd__pb2.TraceRequest.SerializeToString,
                 response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.TraceResult.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/afd.v1.AFDInspect/Scale',
+                request_serializer=afd__ctl_dot_v1_dot_afd__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class AFDInspectServicer:
@@ -255,6 +260,20 @@ class AFDInspectServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Sets a target membership (issue 37): the current epoch keeps serving while the target's
+        new workers register and leaving attention workers drain; then attention workers hold
+        between steps (FENCE), leaving workers are retired and the daemon moves to a new epoch with
+        the target's routing (SCALED). One change at a time: another scale while one is in
+        progress is refused (FAILED_PRECONDITION), except a scale to the current membership,
+        which cancels it before the fence. A target the routing cannot serve is INVALID_ARGUMENT
+        naming the rule; one a registered worker's data plane cannot follow, FAILED_PRECONDITION
+        naming the worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AFDInspectServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -287,6 +306,11 @@ def add_AFDInspectServicer_to_server(servicer, server):
                     servicer.Trace,
                     request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.TraceRequest.FromString,
                     response_serializer=afd__ctl_dot_v1_dot_afd__pb2.TraceResult.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.ScaleRequest.FromString,
+                    response_serializer=afd__ctl_dot_v1_dot_afd__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -452,6 +476,33 @@ class AFDInspect:
             '/afd.v1.AFDInspect/Trace',
             afd__ctl_dot_v1_dot_afd__pb2.TraceRequest.SerializeToString,
             afd__ctl_dot_v1_dot_afd__pb2.TraceResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.v1.AFDInspect/Scale',
+            afd__ctl_dot_v1_dot_afd__pb2.ScaleRequest.SerializeToString,
+            afd__ctl_dot_v1_dot_afd__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,
