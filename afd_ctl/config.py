@@ -45,6 +45,9 @@ class DaemonConfig:
     max_tap_streams_per_client: int = 16
     # Time the daemon gives workers to hang up after STOP on SIGTERM/SIGINT or `afd-ctl stop`.
     drain_grace_s: float = 5.0
+    # A planned change (afd-ctl scale) whose fence is not held by every attention worker
+    # within this is given up; the current epoch serves on (issue 37).
+    fence_timeout_s: float = 10.0
     # 0: off; -1: a port the kernel picks, named in the "metrics on" log line.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -87,6 +90,8 @@ class DaemonConfig:
                 )
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
+        if not 0.1 <= self.fence_timeout_s <= 600:
+            raise ValueError(f"--fence-timeout-s must be in [0.1, 600], got {self.fence_timeout_s}")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(
                 "--metrics-port must be a TCP port, 0 (off) or -1 (a free one, named in the "

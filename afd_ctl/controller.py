@@ -7,43 +7,31 @@ serves. Messages are protobuf objects; the servicer only moves them on and off t
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from afd_ctl.config import DaemonConfig
-from afd_ctl.daemon_views import status_of, view_for, worker_info
+from afd_ctl.daemon_views import daemon_view, status_of, view_for, worker_info
 from afd_ctl.errors import ControlError
-from afd_ctl.logs import clip
+from afd_ctl.fan_out import FanOut
 from afd_ctl.mailbox import Mailbox
 from afd_ctl.membership import ATTENTION, FFN, Membership, Worker, WorkerSpec
+from afd_ctl.scaling import Scaling
+from afd_ctl.sessions import Session, end_session, publishing_session
 from afd_ctl.taps import Taps
 from afd_ctl.timing_book import TimingBook
 from afd_ctl.trace import PendingTrace
 from afd_ctl.v1 import afd_pb2
 from afd_ctl.validation import validate_payload
-from afd_ctl.wire import PUBLISH_SECRET_METADATA, WORKER_ID_METADATA
 
 log = logging.getLogger(__name__)
 
 Event = afd_pb2.MembershipEvent
 RECENT_EVENTS = 20
-
-
-@dataclass
-class Session:
-    worker: Worker
-    mailbox: Mailbox[afd_pb2.SessionMessage]
-    # Handed to the worker in its Registered answer; a Publish stream must show it (once, when
-    # it opens) to act as this worker.
-    publish_secret: str = ""
-    # Set when the session ends: publish streams bound to it stop being accepted.
-    ended: bool = False
 
 
 class Controller:
@@ -72,10 +60,13 @@ class Controller:
         self.health_listeners: list[Callable[[str], None]] = []
         # The address actually bound (the configured one may say port 0).
         self.listen_address = config.listen
-        self._targets: dict[int, list[Mailbox[afd_pb2.SessionMessage]]] = {}
-        self._targets_epoch = -1
+        self.fan_out = FanOut()
         # Issue 26: each reporting worker's rolling window, and the trace being recorded.
         self.timing = TimingBook(self.membership.ffn_groups)
+        # Issue 37: planned membership changes (afd-ctl scale) and the epoch history.
+        self.scaling = Scaling(
+            self.membership, self._announce, self._retire, config.fence_timeout_s
+        )
 
     # -- health --------------------------------------------------------------------------
     @property
@@ -110,7 +101,7 @@ class Controller:
             self.membership.expected[FFN],
         )
         registered = afd_pb2.Registered(
-            worker=self.worker_info(worker),
+            worker=worker_info(worker),
             view=self.view_for(worker),
             is_sender=self.membership.is_sender(worker),
             publish_secret=session.publish_secret,
@@ -121,8 +112,18 @@ class Controller:
             self.stop_relayed = False
             log.info("expected set complete, epoch %d: SERVING", self.membership.epoch)
             self._broadcast(Event.SET_COMPLETE, None, "all expected workers registered")
+        self._epoch_moved(f"{worker.describe()} registered", worker)
         self._health_changed()
         return session
+
+    def _epoch_moved(self, why: str, worker: Worker) -> None:
+        """A join or loss: recorded in the epoch history if it moved the epoch (a pending
+        worker's does not), and a planned change moves on (or restarts its fence)."""
+        if self.membership.routed(worker):
+            self.scaling.note_epoch(why)
+            self.scaling.on_members_changed(why)
+        else:
+            self.scaling.advance()
 
     def close_session(self, session: Session, reason: str) -> None:
         """The session's stream ended (hang-up, keepalive failure, cut-off)."""
@@ -134,6 +135,10 @@ class Controller:
         session.mailbox.close("CANCELLED", reason, discard=True)
         if not self.membership.leave(worker, reason):
             return
+        if not self.membership.routed(worker):  # a pending worker of a change: no loss
+            log.info("pending %s left: %s", worker.describe(), reason)
+            self.scaling.on_members_changed(f"pending {worker.describe()} left: {reason}")
+            return
         # After a stop (a drain, or the attention side's stop payload) workers leaving is the
         # plan, not a loss to warn about.
         level = logging.INFO if self.draining or self.stop_relayed else logging.WARNING
@@ -141,6 +146,7 @@ class Controller:
             level, "peer lost: %s: %s; epoch %d", worker.describe(), reason, self.membership.epoch
         )
         self._broadcast(Event.PEER_LOST, worker, reason)
+        self._epoch_moved(f"{worker.describe()} lost: {reason}", worker)
         self._health_changed()
 
     def _cut_off(self, session: Session, reason: str) -> None:
@@ -149,37 +155,8 @@ class Controller:
 
     # -- the step relay ------------------------------------------------------------------
     def publisher(self, worker_id: str, secret: str) -> Session:
-        """The session a new Publish stream acts for: the one registered as `worker_id`, if
-        `secret` is the one its registration was given. Checked once per stream, not per
-        payload; the stream stays bound to that session and dies with it."""
-        if not worker_id:
-            raise ControlError(
-                "INVALID_ARGUMENT",
-                f"call metadata {WORKER_ID_METADATA!r} is missing: name the registered attention "
-                "worker that publishes",
-            )
-        session = self.sessions.get(worker_id)
-        if session is None:
-            raise ControlError(
-                "FAILED_PRECONDITION",
-                f"{WORKER_ID_METADATA} {clip(worker_id)!r} has no live session; register first "
-                "(or again, after it was lost)",
-            )
-        if not secret:
-            raise ControlError(
-                "PERMISSION_DENIED",
-                f"call metadata {PUBLISH_SECRET_METADATA!r} is missing: only the client that "
-                f"registered {clip(worker_id)!r} may publish as it, with the publish_secret of "
-                "its Registered answer",
-            )
-        if not hmac.compare_digest(secret.encode(), session.publish_secret.encode()):
-            raise ControlError(
-                "PERMISSION_DENIED",
-                f"{PUBLISH_SECRET_METADATA} is not the one issued to the session of "
-                f"{clip(worker_id)!r}: only the client that registered a worker may publish as "
-                "it (an old secret stops working when its session ends)",
-            )
-        return session
+        """The session a new Publish stream acts for (afd_ctl/sessions.py)."""
+        return publishing_session(self.sessions, worker_id, secret)
 
     def publish(self, session: Session, payload: afd_pb2.AFDControlPayload) -> None:
         """Validates `payload` from the worker of `session` (see `publisher`) and queues it for
@@ -219,27 +196,15 @@ class Controller:
             self.stop_relayed = True
         self.steps_relayed += 1
         message = afd_pb2.SessionMessage(payload=payload)
-        for mailbox in self._targets_of(sender):
+        for mailbox in self.fan_out.targets(sender, self.membership, self.sessions):
             if mailbox.offer(message):
                 mailbox.last_step_id = payload.step_id
             else:
                 self._cut_off_mailbox(mailbox)
         if self.taps:
             self.taps.offer(afd_pb2.TapEvent(payload=payload), payloads=True)
-
-    def _targets_of(self, sender: Worker) -> list[Mailbox[afd_pb2.SessionMessage]]:
-        if self._targets_epoch != self.membership.epoch:
-            self._targets.clear()
-            self._targets_epoch = self.membership.epoch
-        targets = self._targets.get(sender.role_rank)
-        if targets is None:
-            targets = [
-                self.sessions[w.worker_id].mailbox
-                for w in self.membership.subscribers_of(sender)
-                if w.worker_id in self.sessions
-            ]
-            self._targets[sender.role_rank] = targets
-        return targets
+        if self.scaling.change is not None:
+            self.scaling.on_relayed(sender)
 
     def _cut_off_mailbox(self, mailbox: Mailbox[afd_pb2.SessionMessage]) -> None:
         for session in list(self.sessions.values()):
@@ -261,6 +226,16 @@ class Controller:
         if not session.ended:
             self.timing.take_spans(session.worker.worker_id, spans, received_at)
 
+    def acknowledge(self, session: Session, request: afd_pb2.SessionRequest) -> None:
+        """A worker's `drained` or `fenced` (issue 37)."""
+        if session.ended:
+            return
+        if request.WhichOneof("message") == "drained":
+            self.scaling.on_drained(session.worker)
+        else:
+            fenced = request.fenced
+            self.scaling.on_fenced(session.worker, fenced.epoch, fenced.last_step_id)
+
     def start_trace(self, steps: int) -> PendingTrace:
         """Asks every worker that reports timings (only those know TraceStart) to record the
         next `steps` steps."""
@@ -270,7 +245,7 @@ class Controller:
                 "the expected set is incomplete: no steps run to trace (afd-ctl status)",
             )
         asked = {
-            worker_id: self.worker_info(session.worker)
+            worker_id: worker_info(session.worker)
             for worker_id, session in self.sessions.items()
             if self.timing.reporting(worker_id)
         }
@@ -287,19 +262,12 @@ class Controller:
         reason: str,
         skip: Worker | None = None,
     ) -> None:
-        info = self.worker_info(worker) if worker is not None else None
+        info = worker_info(worker) if worker is not None else None
         at_s = time.time()
-        recent = Event(kind=kind, reason=reason, at_s=at_s)
+        recent = Event(kind=kind, reason=reason, at_s=at_s, view=daemon_view(self))
         if info is not None:
             recent.worker.CopyFrom(info)
-        # The daemon's view at the change; peers are per worker, so none here.
-        m = self.membership
-        recent.view.epoch = m.epoch
-        recent.view.complete = m.complete
-        recent.view.controller_incarnation = self.incarnation
-        recent.view.expected_attention = m.expected[ATTENTION]
-        recent.view.expected_ffn = m.expected[FFN]
-        self.recent_events.append(recent)
+        self._record(recent)
         for session in list(self.sessions.values()):
             if session.worker is skip:
                 continue
@@ -308,8 +276,40 @@ class Controller:
                 event.worker.CopyFrom(info)
             if not session.mailbox.offer(afd_pb2.SessionMessage(event=event)):
                 self._cut_off(session, "fell behind: membership event could not be queued")
+
+    def _record(self, event: afd_pb2.MembershipEvent) -> None:
+        """Into the recent events (status) and to the taps (afd-ctl watch)."""
+        self.recent_events.append(event)
         if self.taps:
-            self.taps.offer(afd_pb2.TapEvent(membership=recent), payloads=False)
+            self.taps.offer(afd_pb2.TapEvent(membership=event), payloads=False)
+
+    # -- planned changes (issue 37; the steps are afd_ctl/scaling.py's) --------------------
+    def scale(self, attention: int, ffn: int, expert_parallel_size: int, reason: str) -> str:
+        """`afd-ctl scale`: a target membership; returns what happens next, in one line."""
+        if self.draining:
+            raise ControlError("UNAVAILABLE", "the daemon is draining: no membership change")
+        return self.scaling.ask(attention, ffn, expert_parallel_size, reason)
+
+    def _announce(
+        self, kind: afd_pb2.MembershipEvent.Kind, worker: Worker | None, reason: str
+    ) -> None:
+        if kind == Event.SCALED:
+            self.timing.groups = self.membership.ffn_groups
+        self._broadcast(kind, worker, reason)
+        self._health_changed()
+
+    def _retire(self, worker: Worker, reason: str) -> None:
+        """A leaving worker is out: RETIRED on its session, which then ends."""
+        self.membership.retire(worker)
+        session = self.sessions.pop(worker.worker_id, None)
+        log.info("retired: %s (%s)", worker.describe(), reason)
+        event = Event(kind=Event.RETIRED, reason=reason, view=self.view_for(worker))
+        event.at_s = time.time()
+        event.worker.CopyFrom(worker_info(worker))
+        self._record(event)
+        if session is not None:
+            self.timing.forget(worker.worker_id)
+            end_session(session, event)
 
     # -- drain ---------------------------------------------------------------------------
     def drain(self, reason: str, *, stop: bool) -> int:
@@ -336,11 +336,8 @@ class Controller:
         return told
 
     # -- views (afd_ctl/daemon_views.py) ----------------------------------------------------
-    def worker_info(self, worker: Worker) -> afd_pb2.WorkerInfo:
-        return worker_info(worker)
-
     def view_for(self, worker: Worker) -> afd_pb2.View:
-        return view_for(self.membership, self.incarnation, worker)
+        return view_for(self.membership, self.incarnation, worker, self.scaling.holding)
 
     def status(self) -> afd_pb2.Status:
         return status_of(self)

@@ -31,20 +31,47 @@ def worker_info(worker: Worker) -> afd_pb2.WorkerInfo:
     )
 
 
-def view_for(m: Membership, incarnation: str, worker: Worker) -> afd_pb2.View:
-    """The membership as `worker` needs it: routes, senders, and its peers' blobs."""
+def view_for(m: Membership, incarnation: str, worker: Worker, hold: bool = False) -> afd_pb2.View:
+    """The membership as `worker` needs it: routes, senders, and its peers' blobs; during a
+    planned change (issue 37) the target, and whether this worker leaves, waits to be routed
+    or must hold."""
+    routed = m.routed(worker)
     view = afd_pb2.View(
         epoch=m.epoch,
         controller_incarnation=incarnation,
         expected_attention=m.expected[ATTENTION],
         expected_ffn=m.expected[FFN],
-        complete=m.complete,
+        # A worker the topology does not route yet (pending) has no complete set to serve in.
+        complete=m.complete and routed,
         sender_ranks=m.sender_ranks(),
+        ffn_groups=m.ffn_groups,
+        leaving=m.leaving(worker),
+        hold=hold and routed,
+        pending=not routed,
     )
+    if m.target is not None:
+        view.target.CopyFrom(m.target.to_proto())
     for attention_rank, ffn_ranks in m.routes():
         view.routes.add(attention_rank=attention_rank, ffn_ranks=ffn_ranks)
     for peer in m.peers_of(worker):
         view.peers.add(worker=worker_info(peer), data_plane_blob=peer.spec.data_plane_blob)
+    return view
+
+
+def daemon_view(c: Controller) -> afd_pb2.View:
+    """The daemon's view at a change, for status and taps (peers are per worker: none)."""
+    m = c.membership
+    view = afd_pb2.View(
+        epoch=m.epoch,
+        complete=m.complete,
+        controller_incarnation=c.incarnation,
+        expected_attention=m.expected[ATTENTION],
+        expected_ffn=m.expected[FFN],
+        ffn_groups=m.ffn_groups,
+        hold=c.scaling.holding,
+    )
+    if m.target is not None:
+        view.target.CopyFrom(m.target.to_proto())
     return view
 
 
@@ -63,7 +90,13 @@ def status_of(c: Controller) -> afd_pb2.Status:
         recent_events=list(c.recent_events),
         loads=c.timing.loads(),
         ffn_groups=m.ffn_groups,
+        current=m.topology.to_proto(),
+        epoch_history=list(c.scaling.history),
+        last_change=c.scaling.last_result,
     )
+    change = c.scaling.status()
+    if change is not None:
+        status.change.CopyFrom(change)
     for role in ROLES:
         status.roles.add(
             role=ROLE_TO_PROTO[role], expected=m.expected[role], registered=m.count(role)
@@ -86,3 +119,13 @@ def status_of(c: Controller) -> afd_pb2.Status:
                 queue_capacity=session.mailbox.capacity,
             )
     return status
+
+
+def scale_reply(c: Controller, message: str) -> afd_pb2.ScaleResponse:
+    """`afd-ctl scale`'s answer: the membership now, the target (if a change is under way) and
+    what happens next."""
+    m = c.membership
+    reply = afd_pb2.ScaleResponse(current=m.topology.to_proto(), message=message)
+    if m.target is not None:
+        reply.target.CopyFrom(m.target.to_proto())
+    return reply

@@ -1,7 +1,12 @@
 """Who is registered, their role ranks, the membership epoch and the routing.
 
 Plain Python, no gRPC and no I/O: the daemon's servicer translates protos into calls here, and
-unit tests drive it directly. Every join and every loss bumps the epoch.
+unit tests drive it directly. Every join and every loss of a routed worker bumps the epoch.
+
+Issue 37: the routing follows `topology`, which a planned change (`afd-ctl scale`) replaces in
+`apply_target`. While a change is in progress, workers of the target that the current topology
+does not route register as *pending*: they hold their slot but move no epoch, so the serving
+set carries on undisturbed until the whole target is there.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from afd_ctl.errors import ControlError, invalid
 from afd_ctl.fingerprint import ModelFingerprint
 from afd_ctl.logs import UNPRINTABLE
 from afd_ctl.routing import Role
+from afd_ctl.topology import Topology
 
 ATTENTION = Role.ATTENTION
 FFN = Role.FFN
@@ -50,6 +56,12 @@ class WorkerSpec:
     data_plane_blob: bytes = b""
     # The model it serves (None: not checked; vLLM workers always send one).
     model: ModelFingerprint | None = None
+    # The most attention / FFN ranks its data plane can follow (0: any; issue 37).
+    max_attention: int = 0
+    max_ffn: int = 0
+    # It holds at a fence, drains when leaving and reconnects to a new epoch (issue 37): its
+    # loop calls ControllerClient.hold/drained. afd-ctl scale needs every worker to.
+    follows_scale: bool = False
 
     @property
     def role_rank(self) -> int:
@@ -94,9 +106,14 @@ class Membership:
         first_epoch: int | None = None,
         ffn_groups: int | None = None,
     ) -> None:
-        self.expected: dict[str, int] = {ATTENTION: expect_attention, FFN: expect_ffn}
-        # The number of FFN groups every routing call uses (None: min(M, N); afd_ctl.routing).
-        self.ffn_groups = routing.group_count(expect_attention, expect_ffn, ffn_groups)
+        # The membership every routing call uses (ffn_groups None: min(M, N); afd_ctl.routing),
+        # and the one a planned change moves to (issue 37).
+        self.topology = Topology(
+            expect_attention,
+            expect_ffn,
+            routing.group_count(expect_attention, expect_ffn, ffn_groups),
+        )
+        self.target: Topology | None = None
         self.max_blob_bytes = max_blob_bytes
         # Epochs start at the wall clock in ms so a restarted daemon never reuses an epoch.
         self.epoch = int(time.time() * 1000) if first_epoch is None else first_epoch
@@ -107,15 +124,42 @@ class Membership:
 
     # -- queries -------------------------------------------------------------------------
     @property
+    def expected(self) -> dict[str, int]:
+        return {role: self.topology.count(role) for role in ROLES}
+
+    @property
+    def ffn_groups(self) -> int:
+        return self.topology.groups
+
+    @property
     def workers(self) -> list[Worker]:
         return sorted(self._by_slot.values(), key=lambda w: (w.role != ATTENTION, w.role_rank))
 
     def count(self, role: str) -> int:
-        return sum(1 for (r, _) in self._by_slot if r == role)
+        """Registered workers of `role` that the current topology routes."""
+        limit = self.topology.count(role)
+        return sum(1 for (r, rank) in self._by_slot if r == role and rank < limit)
+
+    def routed(self, worker: Worker) -> bool:
+        """The current topology has a place for `worker` (else it is pending or leaving)."""
+        return worker.role_rank < self.topology.count(worker.role)
+
+    def leaving(self, worker: Worker) -> bool:
+        """A change is in progress and its target has no place for `worker`."""
+        return self.target is not None and worker.role_rank >= self.target.count(worker.role)
 
     @property
     def complete(self) -> bool:
         return all(self.count(role) == self.expected[role] for role in ROLES)
+
+    def missing(self, topology: Topology) -> list[tuple[str, int]]:
+        """(role, rank) slots of `topology` that no worker holds."""
+        return [
+            (role, rank)
+            for role in ROLES
+            for rank in range(topology.count(role))
+            if (role, rank) not in self._by_slot
+        ]
 
     def get(self, role: str, role_rank: int) -> Worker | None:
         return self._by_slot.get((role, role_rank))
@@ -149,7 +193,10 @@ class Membership:
         return worker.role == ATTENTION and worker.role_rank in self.sender_ranks()
 
     def peers_of(self, worker: Worker) -> list[Worker]:
-        """Registered workers this one exchanges hidden states with, in role-rank order."""
+        """Registered workers this one exchanges hidden states with, in role-rank order (none
+        for a worker the topology does not route yet)."""
+        if not self.routed(worker):
+            return []
         m, n = self.expected[ATTENTION], self.expected[FFN]
         if worker.role == ATTENTION:
             ranks = routing.ffn_ranks_for(worker.role_rank, m, n, groups=self.ffn_groups)
@@ -188,10 +235,14 @@ class Membership:
             raise invalid(f"tp_rank {spec.tp_rank} must be below tp_size {spec.tp_size}")
         expected = self.expected[spec.role]
         flag = "--expect-attention" if spec.role == ATTENTION else "--expect-ffn"
-        if spec.dp_size * spec.tp_size != expected:
+        # A worker may also register for the target of a change in progress (issue 37).
+        target = self.target.count(spec.role) if self.target is not None else expected
+        if spec.dp_size * spec.tp_size not in (expected, target):
+            also = f", nor the {target} of the scale in progress" if target != expected else ""
             raise invalid(
                 f"dp_size*tp_size = {spec.dp_size}*{spec.tp_size} does not match the "
-                f"{expected} {spec.role.lower()} workers the daemon expects ({flag} {expected})"
+                f"{expected} {spec.role.lower()} workers the daemon expects ({flag} {expected}, "
+                f"or afd-ctl scale){also}"
             )
         if len(spec.data_plane_blob) > self.max_blob_bytes:
             raise invalid(
@@ -226,7 +277,8 @@ class Membership:
         )
         self._next_session_id += 1
         self._by_slot[slot] = worker
-        self.epoch += 1
+        if self.routed(worker):  # a pending worker of a change moves no epoch
+            self.epoch += 1
         self.joins += 1
         return worker
 
@@ -256,6 +308,22 @@ class Membership:
             return False
         del self._by_slot[slot]
         worker.lost_reason = reason
-        self.epoch += 1
-        self.losses += 1
+        if self.routed(worker):  # a pending worker's loss changes no serving set
+            self.epoch += 1
+            self.losses += 1
         return True
+
+    # -- planned changes (issue 37; the steps are the controller's, afd_ctl/scaling.py) ----
+    def retire(self, worker: Worker) -> None:
+        """Takes a leaving worker out with no loss counted; the epoch moves in apply_target."""
+        slot = (worker.role, worker.role_rank)
+        if self._by_slot.get(slot) is worker:
+            del self._by_slot[slot]
+            worker.lost_reason = "retired by a planned change"
+
+    def apply_target(self) -> Topology:
+        """Routes with the target from now on, in a new epoch; returns the old topology."""
+        assert self.target is not None
+        old, self.topology, self.target = self.topology, self.target, None
+        self.epoch += 1
+        return old

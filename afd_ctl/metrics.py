@@ -49,6 +49,12 @@ class MetricsSnapshot:
         default_factory=dict
     )
     loads: list[afd_pb2.WorkerLoad] = dataclasses.field(default_factory=list)
+    # Issue 37: the membership asked for (the expected one when no change is in progress),
+    # whether a change is in progress, the last planned change's hold and how changes ended.
+    target: dict[str, int] = dataclasses.field(default_factory=dict)
+    changing: bool = False
+    last_pause_s: float = 0.0
+    changes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def metrics_snapshot(c: Controller) -> MetricsSnapshot:
@@ -67,6 +73,10 @@ def metrics_snapshot(c: Controller) -> MetricsSnapshot:
         queued={s.worker.worker_id: len(s.mailbox) for s in c.sessions.values()},
         step_histograms=c.timing.histograms(),
         loads=c.timing.loads(),
+        target={role: (m.target or m.topology).count(role) for role in ROLES},
+        changing=c.scaling.change is not None,
+        last_pause_s=c.scaling.last_pause_s,
+        changes=dict(c.scaling.outcomes),
     )
 
 
@@ -98,8 +108,32 @@ class ControllerCollector(Collector):
         for role in ROLES:
             registered.add_metric([role.lower()], s.registered[role])
             expected.add_metric([role.lower()], s.expected[role])
+        target = GaugeMetricFamily(
+            "afd_ctl_workers_target",
+            "Workers per role asked for by afd-ctl scale (expected, when no change is on)",
+            labels=["role"],
+        )
+        for role in ROLES:
+            target.add_metric([role.lower()], s.target[role])
         yield registered
         yield expected
+        yield target
+        yield GaugeMetricFamily(
+            "afd_ctl_change_in_progress",
+            "1 while a planned membership change (afd-ctl scale) is in progress",
+            value=1 if s.changing else 0,
+        )
+        yield GaugeMetricFamily(
+            "afd_ctl_scale_pause_seconds",
+            "How long attention workers held at the last planned change (fence to new epoch)",
+            value=s.last_pause_s,
+        )
+        changes = CounterMetricFamily(
+            "afd_ctl_scale_changes", "Planned membership changes by outcome", labels=["outcome"]
+        )
+        for outcome in ("scaled", "aborted", "cancelled"):
+            changes.add_metric([outcome], s.changes.get(outcome, 0))
+        yield changes
         yield CounterMetricFamily(
             "afd_ctl_steps_relayed", "Payloads accepted and fanned out", value=s.steps_relayed
         )

@@ -44,6 +44,7 @@ MAX_MESSAGE_BYTES = 4 << 20
 # membership: for liveness probes (Kubernetes' grpc probe), which must not restart the daemon
 # because a worker is missing ("" and the API's services say whether the set is complete).
 LIVENESS_SERVICE = "liveness"
+TICK_S = 0.1
 
 
 def remove_stale_socket(path: Path) -> None:
@@ -78,6 +79,7 @@ class ControllerServer:
         # change could apply an older state last).
         self._health_updates: asyncio.Queue[str] = asyncio.Queue()
         self._health_task: asyncio.Task[None] | None = None
+        self._tick_task: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
         config = self.config
@@ -123,6 +125,7 @@ class ControllerServer:
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.controller.health_listeners.append(self._health_updates.put_nowait)
         self._health_task = asyncio.get_running_loop().create_task(self._apply_health(applied))
+        self._tick_task = asyncio.get_running_loop().create_task(self._tick())
         await server.start()
         log.info(
             "afd-ctl listening on %s (tls=%s, token=%s); expecting %d attention, %d ffn; "
@@ -184,6 +187,12 @@ class ControllerServer:
             await self._set_health(status)
             applied = status
 
+    async def _tick(self) -> None:
+        """Bounds a planned change's fence (issue 37): the controller has no clock of its own."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.controller.scaling.tick()
+
     def request_stop(self, reason: str) -> int:
         """`afd-ctl stop`: STOP to every worker, then exit within the drain grace."""
         return self.request_drain(reason, stop=True)
@@ -209,8 +218,9 @@ class ControllerServer:
         await self.stop(grace=0.5)
 
     async def stop(self, grace: float) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._tick_task):
+            if task is not None:
+                task.cancel()
         if self._server is not None:
             await self._server.stop(grace)
         self._stopped.set()

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from afd_ctl.controller import Controller
+from afd_ctl.daemon_views import scale_reply
 from afd_ctl.errors import ControlError
 from afd_ctl.fingerprint import from_proto
 from afd_ctl.logs import RateLimitedLog, clip
@@ -41,6 +42,9 @@ HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
 PUBLISH_REFUSED = RateLimitedLog(log, "publish stream refused")
 REGISTRATION_REFUSED = RateLimitedLog(log, "registration refused")
 TRACE_POLL_S = 0.05
+# Session messages besides register, heartbeat and leave: timings and spans (issue 26), a
+# leaving worker's `drained` and an attention worker's `fenced` (issue 37).
+OPTIONAL = ("timings", "trace", "drained", "fenced")
 
 
 def role_name(value: int) -> str:
@@ -91,7 +95,7 @@ class Heard:
                 if which == "leave":
                     # Kept as logs quote client text (it travels in every PEER_LOST event).
                     self.left = clip(request.leave.reason) or "no reason given"
-                elif which in ("timings", "trace") and self.on_optional is not None:
+                elif which in OPTIONAL and self.on_optional is not None:
                     self.on_optional(request)
         except MalformedRequest as error:
             self.malformed = error.message
@@ -129,6 +133,9 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
             tp_size=request.tp_size,
             data_plane_blob=request.data_plane_blob,
             model=from_proto(request.model) if request.HasField("model") else None,
+            max_attention=request.max_attention,
+            max_ffn=request.max_ffn,
+            follows_scale=request.follows_scale,
         )
         try:
             session = self.controller.open_session(spec, context.peer())
@@ -141,10 +148,13 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         controller = self.controller
 
         def on_optional(request: afd_pb2.SessionRequest) -> None:
-            if request.WhichOneof("message") == "timings":
+            which = request.WhichOneof("message")
+            if which == "timings":
                 controller.record_timings(session, request.timings)
-            else:
+            elif which == "trace":
                 controller.record_trace(session, request.trace, time.monotonic())
+            else:
+                controller.acknowledge(session, request)
 
         heard = Heard(on_optional)
         reader = asyncio.get_running_loop().create_task(heard.follow(requests))
@@ -281,6 +291,20 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
     ) -> afd_pb2.StopResponse:
         reason = clip(request.reason) or f"afd-ctl stop from {context.peer()}"
         return afd_pb2.StopResponse(ffn_workers_told=self.request_stop(reason))
+
+    async def Scale(  # noqa: N802
+        self, request: afd_pb2.ScaleRequest, context: grpc.aio.ServicerContext
+    ) -> afd_pb2.ScaleResponse:
+        controller = self.controller
+        reason = clip(request.reason) or f"afd-ctl scale from {context.peer()}"
+        try:
+            message = controller.scale(
+                request.attention, request.ffn, request.expert_parallel_size, reason
+            )
+        except ControlError as error:
+            await abort(context, error)
+            raise  # abort raises; this line is for the type checker
+        return scale_reply(controller, message)
 
     async def GetTimings(  # noqa: N802
         self, request: afd_pb2.GetTimingsRequest, context: grpc.aio.ServicerContext
