@@ -1,4 +1,4 @@
-"""`afd-ctl serve | status | workers | watch | stop | advise | trace`."""
+"""`afd-ctl serve | status | workers | watch | stop | advise | trace | scale`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from afd_ctl.channel import (
     open_channel,
     tls_problem,
 )
+from afd_ctl.cli_scale import add_scale_parser, run_scale
 from afd_ctl.cli_text import RECENT_SHOWN, format_status, format_tap, format_workers, to_json
 from afd_ctl.cli_timing import out_path_problem, run_advise, run_trace
 from afd_ctl.config import DaemonConfig
@@ -85,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
     serve.add_argument(
         "--drain-grace-s", type=float, metavar="S", help="SIGTERM/stop grace before exit (5.0)"
+    )
+    serve.add_argument(
+        "--fence-timeout-s",
+        type=float,
+        metavar="S",
+        help="give a scale up when attention workers do not hold at its fence within S (10)",
     )
     serve.add_argument(
         "--metrics-port", type=int, help="Prometheus text on this port (0: off, -1: any free)"
@@ -189,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--wait-s", type=float, default=30.0, help="wait for the workers' spans (30)"
     )
+    client_flags(add_scale_parser(sub))
     return parser
 
 
@@ -290,6 +298,8 @@ def run_client_command(args: argparse.Namespace) -> int:
             return run_advise(stub, args, metadata)
         elif args.command == "trace":
             return run_trace(stub, args, metadata)
+        elif args.command == "scale":
+            return run_scale(stub, args, metadata)
         elif args.command == "stop":
             reply = stub.Stop(
                 afd_pb2.StopRequest(reason=args.reason), timeout=args.timeout, metadata=metadata

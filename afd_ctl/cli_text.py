@@ -11,8 +11,43 @@ from google.protobuf.message import Message
 
 from afd_ctl.v1 import afd_pb2
 
-# `afd-ctl status` shows this many of the recent membership events (the JSON has all).
+# `afd-ctl status` shows this many of the recent membership events and epochs (the JSON has
+# all).
 RECENT_SHOWN = 8
+
+
+def topology_label(t: afd_pb2.Topology) -> str:
+    """ "2:4 (2 ffn groups of 2)", as afd_ctl.topology.Topology.label says it."""
+    groups = t.ffn_groups or 1
+    plural = "s" if groups > 1 else ""
+    return f"{t.attention}:{t.ffn} ({groups} ffn group{plural} of {t.ffn // groups})"
+
+
+def format_membership(status: afd_pb2.Status) -> list[str]:
+    """Issue 37: the membership now, a change in progress, the last one, the epoch history."""
+    if not status.HasField("current"):  # an older daemon
+        return []
+    lines = ["", f"membership  {topology_label(status.current)}"]
+    if status.HasField("change"):
+        change = status.change
+        phase = afd_pb2.ScaleChange.Phase.Name(change.phase).lower()
+        lines.append(
+            f"target      {topology_label(change.target)}: {phase}, asked "
+            f"{time.time() - change.started_at_s:.1f} s ago ({change.reason})"
+        )
+        lines += [f"  waiting for {what}" for what in change.waiting_for]
+    if status.last_change:
+        lines.append(f"last change {status.last_change}")
+    if status.epoch_history:
+        lines += ["", f"{'EPOCH':<16} {'AT':<8} {'MEMBERSHIP':<24} {'HELD MS':>7}  WHY"]
+        for record in status.epoch_history[-RECENT_SHOWN:]:
+            when = time.strftime("%H:%M:%S", time.localtime(record.at_s))
+            held = f"{record.pause_s * 1e3:.0f}" if record.pause_s else "-"
+            lines.append(
+                f"{record.epoch:<16} {when:<8} {topology_label(record.topology):<24} "
+                f"{held:>7}  {record.reason}"
+            )
+    return lines
 
 
 def to_json(message: Message, indent: int | None = 2) -> str:
@@ -49,6 +84,7 @@ def format_status(status: afd_pb2.Status) -> str:
             f"ffn groups  {status.ffn_groups} (expert-parallel size "
             f"{ffn // status.ffn_groups if ffn % status.ffn_groups == 0 else 'uneven'})"
         )
+    lines += format_membership(status)
     if status.subscribers:
         lines += ["", f"{'SUBSCRIBER':<28} {'QUEUED':>7} {'CAPACITY':>9} {'LAST STEP':>10}"]
         for sub in status.subscribers:
@@ -140,4 +176,8 @@ def format_tap(event: afd_pb2.TapEvent) -> str:
     if e.HasField("worker"):
         who = f" {afd_pb2.Role.Name(e.worker.role).lower()} rank {e.worker.role_rank} ({e.worker.worker_id})"
     kind = afd_pb2.MembershipEvent.Kind.Name(e.kind)
-    return f"event {kind}{who} epoch={e.view.epoch} complete={e.view.complete} {e.reason}".rstrip()
+    change = f" target={topology_label(e.view.target)}" if e.view.HasField("target") else ""
+    change += " hold" if e.view.hold else ""
+    return (
+        f"event {kind}{who} epoch={e.view.epoch} complete={e.view.complete}{change} {e.reason}"
+    ).rstrip()

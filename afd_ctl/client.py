@@ -75,6 +75,9 @@ class ControllerClient:
             tp_size=spec.tp_size,
             worker_id=spec.worker_id,
             data_plane_blob=self.data_plane_blob,
+            max_attention=spec.max_attention,
+            max_ffn=spec.max_ffn,
+            follows_scale=spec.follows_scale,
         )
         if spec.model is not None:
             register.model.CopyFrom(afd_pb2.ModelFingerprint(**dataclasses.asdict(spec.model)))
@@ -121,7 +124,41 @@ class ControllerClient:
 
     @property
     def is_sender(self) -> bool:
-        return self.registered.is_sender
+        """This worker publishes payloads in the current epoch (a planned change can make an
+        attention worker a sender or stop it being one)."""
+        view, registered = self._view.view(), self.registered
+        if view.epoch == registered.view.epoch:
+            return registered.is_sender
+        return registered.worker.role_rank in view.sender_ranks
+
+    # -- planned changes (issue 37) --------------------------------------------------------
+    @property
+    def leaving(self) -> bool:
+        """afd-ctl's target has no place for this worker: take no new work, finish what is in
+        flight, then call `drained` (an attention worker); RETIRED follows."""
+        return self._view.view().leaving
+
+    @property
+    def holding(self) -> bool:
+        """afd-ctl asks attention workers to hold between steps (a change at its fence)."""
+        return self._view.view().hold
+
+    def drained(self, reason: str = "") -> None:
+        """Tells afd-ctl this leaving worker has nothing in flight and takes no new work."""
+        self._link.send(afd_pb2.SessionRequest(drained=afd_pb2.Drained(reason=reason)))
+
+    def hold(self, last_step_id: int = 0, timeout_s: float = 60.0) -> afd_pb2.View | None:
+        """Call between steps. When afd-ctl asks attention workers to hold (a planned change
+        at its fence), says so (`fenced`, with the last step this worker published, 0 for
+        none) and waits until the hold is lifted: returns that view (SCALED: the new epoch,
+        whose peers to reconnect to). None when no hold was asked. AfdTimeout after
+        `timeout_s`."""
+        view = self._view.view()
+        if not view.hold:
+            return None
+        fenced = afd_pb2.Fenced(epoch=view.epoch, last_step_id=last_step_id)
+        self._link.send(afd_pb2.SessionRequest(fenced=fenced))
+        return self._view.wait_unheld(timeout_s)
 
     def add_listener(self, listener: EventListener) -> None:
         """`listener(event)` runs on the session thread for every membership event."""
@@ -172,6 +209,10 @@ class ControllerClient:
         if event.kind == Kind.STOP and self.spec.role == Role.FFN:
             # afd-ctl stop: the deployment shuts down, and an FFN worker with it.
             self._view.stop(f"afd-ctl sent stop: {event.reason}")
+            self._link.hang_up()
+        elif event.kind == Kind.RETIRED:
+            # A planned change left this worker out (issue 37): done, never registered again.
+            self._view.stop(f"retired by afd-ctl: {event.reason}")
             self._link.hang_up()
         elif event.kind in (Kind.STOP, Kind.DAEMON_DRAINING):
             # A daemon restart, or a stop for an attention worker, which (unlike an FFN worker)

@@ -142,6 +142,7 @@ class MembershipView:
                 if (
                     view is not None
                     and view.complete
+                    and not view.hold  # a planned change's fence: the next view is the one
                     and view.epoch > after_epoch
                     and self.unreachable is None
                 ):
@@ -151,6 +152,29 @@ class MembershipView:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AfdTimeout(self.incomplete_message(f"after {timeout_s:.1f} s"))
+                self.cond.wait(remaining)
+
+    def wait_unheld(self, timeout_s: float) -> afd_pb2.View:
+        """Blocks while the current view says `hold` (issue 37: a planned change at its
+        fence); returns the view that lifted it (SCALED: a new epoch; CHANGE_ABORTED or a loss:
+        the same or a newer one, possibly incomplete)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                if self.fatal is not None:
+                    raise self.fatal
+                if self.stopped is not None:
+                    raise self.stopped
+                view = self.current
+                if view is not None and (not view.hold or self.unreachable is not None):
+                    return view
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AfdTimeout(
+                        f"afd-ctl at {self.target} held this worker for a planned change for "
+                        f"{timeout_s:.1f} s without moving to its new epoch or giving it up "
+                        "(afd-ctl status shows the change)"
+                    )
                 self.cond.wait(remaining)
 
     def wait_drained(self, timeout_s: float) -> bool:

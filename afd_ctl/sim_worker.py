@@ -25,7 +25,9 @@ from afd_ctl.client import ControllerClient
 from afd_ctl.errors import (
     AfdControllerUnreachable,
     AfdError,
+    AfdNotReady,
     AfdPeerLost,
+    AfdStaleEpoch,
     AfdStopped,
     AfdTimeout,
 )
@@ -85,10 +87,16 @@ def model_step(
     )
 
 
-def step_tokens(step_id: int, args: argparse.Namespace) -> tuple[int, int]:
+def step_tokens(step_id: int, args: argparse.Namespace, dp_size: int) -> tuple[int, int]:
     """(this attention rank's tokens, all ranks' tokens) of a step, over its stages."""
-    counts = [expected_counts(step_id, s, args.attention_dp_size) for s in range(args.stages)]
+    counts = [expected_counts(step_id, s, dp_size) for s in range(args.stages)]
     return sum(c[args.dp_rank % len(c)] for c in counts), sum(sum(c) for c in counts)
+
+
+def dp_size_of(args: argparse.Namespace, view: afd_pb2.View) -> int:
+    """Entries in num_tokens_across_dp: --attention-dp-size, or (0) the view's attention ranks,
+    which a planned change (afd-ctl scale) can change."""
+    return args.attention_dp_size or view.expected_attention
 
 
 def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[str, object]:
@@ -100,24 +108,57 @@ def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[st
         "epoch": view.epoch,
         "peers": [peer.worker.role_rank for peer in view.peers],
         "published": 0,
+        "epochs": [view.epoch],
     }
-    if not client.is_sender:
+    if not client.is_sender and args.steps > 0:
         return report
     period = 1.0 / args.rate if args.rate > 0 else 0.0
     start = time.monotonic()
-    for i in range(args.steps):
-        step_id = args.first_step + i
-        client.publish(make_payload(step_id, args.attention_dp_size, args.stages))
-        report["published"] = i + 1
+    published, step_id = 0, args.first_step - 1
+    drained = False
+    while args.steps <= 0 or published < args.steps:
+        # Issue 37: a planned change. Hold at its fence, drain when leaving; retired: done.
+        try:
+            moved = client.hold(step_id if published else 0, args.timeout)
+        except AfdStopped as exc:
+            report["stopped"] = str(exc)
+            break
+        if moved is not None:
+            view = moved
+            report["epochs"].append(view.epoch)  # type: ignore[attr-defined]
+            continue
+        view = client.view
+        if view.leaving or not client.is_sender or not view.complete:
+            if view.leaving and not drained:
+                client.drained("sim: nothing in flight")
+                drained = True
+            if client.wait_stopped(0.02):
+                report["stopped"] = "retired" if drained else "stopped"
+                break
+            continue
+        try:
+            client.publish(make_payload(step_id + 1, dp_size_of(args, view), args.stages))
+        except (AfdControllerUnreachable, AfdNotReady, AfdPeerLost, AfdStaleEpoch) as exc:
+            if args.steps > 0:
+                raise
+            # Run until stopped: the daemon went away, or a loss moved the epoch under a step
+            # in flight (afd-ctl stop: the FFN side hangs up first). A step lost so mid-run
+            # shows as a gap on the FFN side's report.
+            report["ended"] = str(exc)
+            break
+        step_id += 1
+        published += 1
+        report["published"], report["last_step"] = published, step_id
         if modelled(args):
-            model_step(client, args, step_id, *step_tokens(step_id, args))
+            model_step(client, args, step_id, *step_tokens(step_id, args, dp_size_of(args, view)))
         if period:
-            delay = start + (i + 1) * period - time.monotonic()
+            delay = start + published * period - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
     if args.send_stop:
         client.publish(afd_pb2.AFDControlPayload(step_id=args.first_step + args.steps, stop=True))
-    client.flush(args.timeout)
+    if published and "ended" not in report and "stopped" not in report:
+        client.flush(args.timeout)
     return report
 
 
@@ -128,6 +169,7 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
     problems: list[str] = []
     stopped = ""
     first: int | None = None
+    last_by_sender: dict[int, int] = {}
     unreachable_since: float | None = None
     while args.steps <= 0 or received < args.steps:
         try:
@@ -153,16 +195,22 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
         unreachable_since = None
         if first is None:
             first = payload.step_id
-        if last is not None and payload.step_id != last + 1:
-            problems.append(f"step {payload.step_id} after {last}")
+        # Each sender's steps, in order and none missing (across planned changes too).
+        before = last_by_sender.get(payload.sender_role_rank)
+        if before is not None and payload.step_id != before + 1:
+            problems.append(
+                f"step {payload.step_id} after {before} from sender {payload.sender_role_rank}"
+            )
+        last_by_sender[payload.sender_role_rank] = payload.step_id
+        dp_size = args.attention_dp_size or len(payload.stages[0].num_tokens_across_dp)
         for stage in range(args.stages):
             got = list(payload.stages[stage].num_tokens_across_dp)
-            if got != expected_counts(payload.step_id, stage, args.attention_dp_size):
+            if got != expected_counts(payload.step_id, stage, dp_size):
                 problems.append(f"step {payload.step_id} stage {stage} counts {got}")
         last = payload.step_id
         received += 1
         if modelled(args):
-            mine, everyone = step_tokens(payload.step_id, args)
+            mine, everyone = step_tokens(payload.step_id, args, dp_size)
             model_step(client, args, payload.step_id, mine, everyone)
     if args.wait_stop and not stopped:
         try:
@@ -179,6 +227,7 @@ def run_ffn(client: ControllerClient, args: argparse.Namespace) -> dict[str, obj
         "received": received,
         "first_step": first,
         "last_step": last,
+        "last_by_sender": last_by_sender,
         "problems": problems[:20],
         "stopped": stopped,
     }
@@ -192,9 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp-rank", type=int, default=0)
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument(
-        "--attention-dp-size", type=int, default=1, help="entries in num_tokens_across_dp"
+        "--attention-dp-size",
+        type=int,
+        default=1,
+        help="entries in num_tokens_across_dp (0: the current view's attention ranks, which "
+        "afd-ctl scale changes)",
     )
-    parser.add_argument("--steps", type=int, default=300, help="steps to publish / expect")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="steps to publish / expect (0: until stopped or retired; attention workers then "
+        "follow planned changes: hold at a fence, drain when leaving)",
+    )
+    parser.add_argument("--max-attention", type=int, default=0, help="data-plane capacity (0: any)")
+    parser.add_argument("--max-ffn", type=int, default=0, help="data-plane capacity (0: any)")
     parser.add_argument("--first-step", type=int, default=1)
     parser.add_argument("--rate", type=float, default=0.0, help="steps per second (0: flat out)")
     parser.add_argument("--stages", type=int, default=1, choices=[1, 2])
@@ -217,7 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     role = Role.parse(args.role)
     worker_id = args.worker_id or f"sim-{args.role}-{args.dp_rank}"
-    spec = WorkerSpec(worker_id, role, dp_rank=args.dp_rank, dp_size=args.dp_size)
+    spec = WorkerSpec(
+        worker_id,
+        role,
+        dp_rank=args.dp_rank,
+        dp_size=args.dp_size,
+        max_attention=args.max_attention,
+        max_ffn=args.max_ffn,
+        follows_scale=True,  # run_attention/run_ffn follow planned changes
+    )
     client = ControllerClient(args.controller, spec, token=args.token)
     client.timings.layers = args.model_layers
     client.timings.interval_s = args.timings_interval_s
