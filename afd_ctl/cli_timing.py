@@ -1,4 +1,5 @@
-"""`afd-ctl advise | trace`: the client side of the daemon's timing book."""
+"""`afd-ctl advise | trace`: the client side of the daemon's timing book (and the `afd-ctl scale`
+that applies the advice)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,27 @@ def run_advise(
             print(json.dumps({"refused": str(exc)}))
         print(f"afd-ctl advise: {exc}", file=sys.stderr)
         return 3
+    status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=args.timeout, metadata=metadata)
+    apply = scale_to_apply(advice, status.current) if status.HasField("current") else ""
     if args.json:
-        print(json.dumps(finite(advice.to_dict()), indent=2))
+        print(json.dumps(finite({**advice.to_dict(), "apply": apply}), indent=2))
     else:
-        print(format_advice(advice))
+        print(format_advice(advice) + (f"\napply        {apply}" if apply else ""))
     return 0
+
+
+def scale_to_apply(advice: Advice, current: afd_pb2.Topology) -> str:
+    """The `afd-ctl scale` that takes the running deployment to the best candidate ratio
+    (issue 37): its FFN workers and their groups kept, attention workers A per FFN worker."""
+    per_attention, per_ffn = (int(x) for x in advice.recommended.split(":"))
+    attention = per_attention * current.ffn // per_ffn
+    if attention == current.attention:
+        return f"nothing: {current.attention}:{current.ffn} already runs the best candidate"
+    groups = current.ffn_groups or 1
+    return (
+        f"afd-ctl scale --attention {attention} --ffn {current.ffn} --expert-parallel-size "
+        f"{current.ffn // groups}  (the best candidate {advice.recommended}, FFN workers kept)"
+    )
 
 
 def finite(value: Any) -> Any:

@@ -274,7 +274,16 @@ def test_status_advise_metrics_and_trace_against_simulated_workers(
     assert advice["balanced_ratio"] == pytest.approx(
         expected_ratio(T_A_MS, C0_MS, C1_US / 1e3, b), rel=2e-2
     )
-    assert "bottleneck" in cli(daemon, "advise").stdout
+    # The scale that applies it to this 1:1 pair (issue 37): A attention workers, the FFN kept.
+    per_attention = int(advice["recommended"].split(":")[0])
+    apply = (
+        f"afd-ctl scale --attention {per_attention} --ffn 1 --expert-parallel-size 1"
+        if per_attention != 1
+        else "nothing: 1:1 already runs the best candidate"
+    )
+    assert advice["apply"].startswith(apply), advice["apply"]
+    text = cli(daemon, "advise").stdout
+    assert "bottleneck" in text and f"apply        {apply}" in text
 
     trace_file = tmp_path / "trace.json"
     out = cli(daemon, "trace", "--steps", "5", "--out", str(trace_file))
