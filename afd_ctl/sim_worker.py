@@ -101,6 +101,7 @@ def dp_size_of(args: argparse.Namespace, view: afd_pb2.View) -> int:
 
 def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[str, object]:
     view = client.wait_complete(args.timeout)
+    epochs = [view.epoch]
     report: dict[str, object] = {
         "role": "attention",
         "role_rank": client.role_rank,
@@ -108,7 +109,7 @@ def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[st
         "epoch": view.epoch,
         "peers": [peer.worker.role_rank for peer in view.peers],
         "published": 0,
-        "epochs": [view.epoch],
+        "epochs": epochs,
     }
     if not client.is_sender and args.steps > 0:
         return report
@@ -124,11 +125,13 @@ def run_attention(client: ControllerClient, args: argparse.Namespace) -> dict[st
             report["stopped"] = str(exc)
             break
         if moved is not None:
-            view = moved
-            report["epochs"].append(view.epoch)  # type: ignore[attr-defined]
+            epochs.append(moved.epoch)
             continue
         view = client.view
-        if view.leaving or not client.is_sender or not view.complete:
+        # Until stopped, a worker with nothing to publish waits (a fixed --steps run publishes
+        # and fails as before: AfdPeerLost when the set is incomplete).
+        idle = args.steps <= 0 and not (client.is_sender and view.complete)
+        if view.leaving or idle:
             if view.leaving and not drained:
                 client.drained("sim: nothing in flight")
                 drained = True
