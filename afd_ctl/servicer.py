@@ -295,16 +295,14 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
     async def Scale(  # noqa: N802
         self, request: afd_pb2.ScaleRequest, context: grpc.aio.ServicerContext
     ) -> afd_pb2.ScaleResponse:
-        controller = self.controller
         reason = clip(request.reason) or f"afd-ctl scale from {context.peer()}"
+        r = request
         try:
-            message = controller.scale(
-                request.attention, request.ffn, request.expert_parallel_size, reason
-            )
+            message = self.controller.scale(r.attention, r.ffn, r.expert_parallel_size, reason)
         except ControlError as error:
             await abort(context, error)
             raise  # abort raises; this line is for the type checker
-        return scale_reply(controller, message)
+        return scale_reply(self.controller, message)
 
     async def GetTimings(  # noqa: N802
         self, request: afd_pb2.GetTimingsRequest, context: grpc.aio.ServicerContext
