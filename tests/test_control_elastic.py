@@ -120,7 +120,7 @@ def test_sim_workers_follow_scale_from_1_1_to_2_1_2_2_1_2_and_back(start_daemon,
     # A second scale while FFN rank 1 has not registered yet: refused, one line; then 2:2.
     out = cli(daemon, "scale", "--attention", "2", "--ffn", "2")
     assert out.returncode == 0 and "waiting for ffn rank 1 to register" in out.stdout
-    refused = cli(daemon, "scale", "--attention", "3", "--ffn", "2")
+    refused = cli(daemon, "scale", "--attention", "1", "--ffn", "2")
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert "FAILED_PRECONDITION: a change to 2:2 (2 ffn groups of 1) is in progress" in (
         refused.stderr
