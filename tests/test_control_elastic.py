@@ -69,11 +69,13 @@ def sim(procs: list[Proc], tmp_path: Path, daemon: Daemon, role: str, name: str,
     return proc
 
 
-def scale_and_start(daemon, attention, ffn, start=lambda: None) -> float:
+def scale_and_start(daemon, attention, ffn, start=lambda: None, *flags: str) -> float:
     """`afd-ctl scale`, then the new workers; waits for the new epoch; returns the hold (s)."""
     before = status(daemon).steps_relayed
-    out = cli(daemon, "scale", "--attention", str(attention), "--ffn", str(ffn))
+    out = cli(daemon, "scale", "--attention", str(attention), "--ffn", str(ffn), *flags)
     assert out.returncode == 0, out.stderr
+    if flags:  # --wait-s: it followed the change to its new epoch
+        assert "scaled from" in out.stdout and f" to {attention}:{ffn} " in out.stdout, out.stdout
     start()
     done = wait_status(
         daemon,
@@ -134,7 +136,8 @@ def test_sim_workers_follow_scale_from_1_1_to_2_1_2_2_1_2_and_back(start_daemon,
     )
     pauses["2:1->2:2"] = scale_and_start(daemon, 2, 2, start_f1)
 
-    pauses["2:2->1:2"] = scale_and_start(daemon, 1, 2)
+    # (no worker to start: it completes once attention rank 1 drained; --wait-s follows it)
+    pauses["2:2->1:2"] = scale_and_start(daemon, 1, 2, lambda: None, "--wait-s", "30")
     assert a1[0].wait(WAIT_S) == 0  # drained, retired, exits
     left = a1[0].json_report(5)
     assert "retired" in left["stopped"] and left["published"] > 0
