@@ -20,7 +20,7 @@ from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from afd_ctl.client import ControllerClient
-from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdStopped
+from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdStaleEpoch, AfdStopped
 from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
 from afd_ctl.sim_worker import make_payload
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
@@ -471,9 +471,13 @@ def test_a_session_that_stops_reading_is_cut_off_and_told(start_daemon):
             assert next(session).WhichOneof("message") == "registered"
             attn.wait_complete(10)
             # Queued at once (publish does not block); then this thread waits on the event and
-            # leaves the CPU to the relay. Those after the cut-off are refused (new epoch).
+            # leaves the CPU to the relay. Those after the cut-off are refused (new epoch); on a
+            # busy machine the cut-off can come back before the flood is queued (2 runs in 8).
             for step in range(1, FLOOD_STEPS + 1):
-                attn.publish(make_payload(step, 1, 1))
+                try:
+                    attn.publish(make_payload(step, 1, 1))
+                except (AfdPeerLost, AfdStaleEpoch):
+                    break
             _, event = watcher.wait(Kind.PEER_LOST, timeout=10)
             assert event.worker.worker_id == "ffn-0"
             assert "fell behind: 8 messages queued and unread" in event.reason
