@@ -107,6 +107,11 @@ class ControllerClient:
         """Blocks until the job is stopped (stop payload or STOP event); False on timeout."""
         return self._view.wait_stopped(timeout_s)
 
+    def serving(self) -> bool:
+        """Registered, afd-ctl reachable and the expected set complete (a readiness check;
+        never blocks on the network)."""
+        return self._view.serving()
+
     @property
     def view(self) -> afd_pb2.View:
         return self._view.view()

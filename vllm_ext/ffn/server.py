@@ -125,6 +125,9 @@ class FfnWorker:
             access, spec, self._exchange, f"ffn rank {afd.ffn_rank}", self.vllm_config
         )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
+        # /health follows afd-ctl too: 503 while it is unreachable or the set is incomplete,
+        # whichever the loop happens to see first (an outage, a lost peer).
+        self._metrics.follow(self._client.serving)
         if afd.profile_dir:
             from vllm_ext.step_profiler import StepProfiler
 
