@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     client_flags(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--require-serving",
+        action="store_true",
+        help="exit 3 unless the daemon's health is SERVING (a readiness probe over TLS)",
+    )
     workers = sub.add_parser(
         "workers",
         help="list registered workers",
@@ -260,6 +265,13 @@ def run_client_command(args: argparse.Namespace) -> int:
                 afd_pb2.GetStatusRequest(), timeout=args.timeout, metadata=metadata
             )
             print(to_json(status) if args.json else format_status(status))
+            if args.require_serving and health_of(status) != "SERVING":
+                print(
+                    f"afd-ctl status: health is {health_of(status)}, not SERVING "
+                    "(--require-serving)",
+                    file=sys.stderr,
+                )
+                return 3
         elif args.command == "workers":
             reply = stub.ListWorkers(
                 afd_pb2.ListWorkersRequest(role=ROLE_NAMES[args.role]),
@@ -367,9 +379,13 @@ def to_json(message: Message, indent: int | None = 2) -> str:
     return json.dumps(data, indent=indent, sort_keys=True)
 
 
-def format_status(status: afd_pb2.Status) -> str:
+def health_of(status: afd_pb2.Status) -> str:
     # health_state is the enum; an older daemon only fills the word.
-    health = afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
+    return afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
+
+
+def format_status(status: afd_pb2.Status) -> str:
+    health = health_of(status)
     lines = [
         f"health      {health}",
         f"epoch       {status.epoch}   (incarnation {status.controller_incarnation})",

@@ -313,3 +313,51 @@ def test_status_lists_live_streams_and_how_far_behind_each_is(start_daemon, caps
         channel.close()
         attn.close()
         ffn.close()
+
+
+def test_status_require_serving_fails_until_the_set_is_complete(start_daemon, capsys):
+    """The tls overlay's readiness probe (`afd-ctl status --require-serving`, over mTLS where
+    the kubelet's grpc probe cannot go): exit 3 while the daemon is not SERVING, 0 once it is;
+    without the flag, status exits 0 whatever the health (issue 39, manifests)."""
+    from afd_ctl.client import ControllerClient
+    from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+
+    daemon = start_daemon()
+    assert cli(["status", "--controller", daemon.address]) == 0
+    assert cli(["status", "--controller", daemon.address, "--require-serving"]) == 3
+    assert "health is NOT_SERVING, not SERVING" in capsys.readouterr().err
+    workers = [
+        ControllerClient(daemon.address, WorkerSpec("a-0", ATTENTION)),
+        ControllerClient(daemon.address, WorkerSpec("f-0", FFN)),
+    ]
+    try:
+        for worker in workers:
+            worker.connect(10)
+        workers[0].wait_complete(10)
+        assert cli(["status", "--controller", daemon.address, "--require-serving"]) == 0
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+@pytest.mark.parametrize(
+    "address,said",
+    [
+        ("127.0.0.1:{port}", "nothing listens at 127.0.0.1:"),
+        ("nosuch.invalid:50051", "does not resolve"),
+    ],
+)
+def test_nothing_listening_or_no_such_host_is_said_within_seconds(address: str, said: str):
+    """Issue 38: connection refused on every try (or a name that does not resolve) is certain
+    within seconds, unlike a host that does not answer: the start-up query ends after
+    refused_timeout_s, not after connect_timeout_s (120 s by default)."""
+    from vllm_ext.control import ControlAccess, expected_counts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = address.format(port=s.getsockname()[1])  # nothing listens once closed
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=said) as caught:
+        expected_counts(ControlAccess(address, refused_timeout_s=2.0), timeout_s=60)
+    assert time.monotonic() - start < 10
+    assert "refused_timeout_s" in str(caught.value) and "\n" not in str(caught.value)

@@ -41,16 +41,20 @@ def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
     """Runs one FFN worker; a start-up problem the user must fix (afd-ctl not answering,
     refused credentials, a bad setting) ends it with one line that says what, no traceback."""
     from afd_ctl.errors import AfdError
+    from vllm_ext.control import AfdCredentialsRefused
 
     worker = FfnWorker(vllm_config, afd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
     try:
-        return worker.run()
-    except (TimeoutError, ValueError, AfdError) as exc:
+        code = worker.run()
+    except (TimeoutError, ValueError, AfdError, AfdCredentialsRefused) as exc:
         log.error("afd ffn %s: %s", worker.worker_id, exc)
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    if code != 0:  # run() logged the failure with its traceback; its reason goes last
+        print(f"error: {worker._leave_reason}", file=sys.stderr, flush=True)
+    return code
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.afd_role is None:
         args.afd_role = "ffn"
-    serve_ffn(args)
+    from vllm_ext import startup_errors
+
+    with startup_errors.said_last():
+        serve_ffn(args)
 
 
 if __name__ == "__main__":
