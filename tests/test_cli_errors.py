@@ -361,3 +361,22 @@ def test_nothing_listening_or_no_such_host_is_said_within_seconds(address: str, 
         expected_counts(ControlAccess(address, refused_timeout_s=2.0), timeout_s=60)
     assert time.monotonic() - start < 10
     assert "refused_timeout_s" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_worker_waiting_for_its_peers_says_how_long_in_one_phrase(start_daemon):
+    """Issue 38: the FFN server's wait line read "waiting 30 s so far ... incomplete after
+    0.1 s" (its poll bound); it now says the wait once (vllm_ext/ffn/server.py logs this)."""
+    from afd_ctl.client import ControllerClient
+    from afd_ctl.membership import FFN, WorkerSpec
+
+    daemon = start_daemon()
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
+    try:
+        ffn.connect(10)
+        message = ffn.incomplete_message("for 30 s so far")
+        assert message.startswith(
+            "the expected set (1 attention, 1 ffn) is incomplete for 30 s so far; "
+        ), message
+        assert "after" not in message
+    finally:
+        ffn.close()
