@@ -63,9 +63,17 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def say(line: str) -> None:
+    """One line on stderr as it is: to the file descriptor, past vLLM's process prefix
+    ("(APIServer pid=N) ", which vLLM 0.26 puts on what Python writes to sys.stderr)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, (line.rstrip("\n") + "\n").encode(errors="replace"))
+
+
 def flag_error(exc: BaseException, prog: str = "vllm serve") -> NoReturn:
     """As argparse says a bad flag: one line on stderr, exit status 2."""
-    print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+    say(f"{prog}: error: {one_line(exc)}")
     raise SystemExit(2)
 
 
@@ -94,8 +102,7 @@ def said_last() -> Iterator[None]:
         if reason is None:
             raise
         log.debug("afd: start-up failed", exc_info=True)
-        sys.stdout.flush()
-        print(f"error: {reason}", file=sys.stderr, flush=True)
+        say(f"error: {reason}")
         raise SystemExit(1) from None
     finally:
         if before is None:
@@ -119,29 +126,35 @@ def note(reason: str) -> None:
 
 
 class _FirstFailure(logging.Handler):
-    """Notes the first exception of ours that a log record carries (vLLM logs a worker's or
-    engine core's failed start with it)."""
+    """Notes the first exception of ours that vLLM's "... failed to start." records carry (a
+    worker's or engine core's failed start; later failures, such as a failed step, are not
+    start-up reasons)."""
 
-    def __init__(self) -> None:
+    def __init__(self, phrase: str) -> None:
         super().__init__(logging.ERROR)
+        self.phrase = phrase
 
     def emit(self, record: logging.LogRecord) -> None:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and is_ours(exc):
+        if exc is not None and is_ours(exc) and self.phrase in str(record.msg):
             note(one_line(exc))
 
 
-_HANDLER = _FirstFailure()
+_HANDLER: _FirstFailure | None = None
 
 
 def watch_this_process() -> None:
     """In every process of a `said_last` run (the plugin loads in each): note our start-up
     failures that vLLM logs. Idempotent; a no-op elsewhere."""
+    global _HANDLER
     if not os.environ.get(REASON_ENV):
         return
     from vllm_ext import compat
 
-    for name in ("", compat.seams().STARTUP_FAILURE_LOGGER):
+    seams = compat.seams()
+    if _HANDLER is None:
+        _HANDLER = _FirstFailure(seams.STARTUP_FAILURE_PHRASE)
+    for name in ("", seams.STARTUP_FAILURE_LOGGER):
         logger = logging.getLogger(name)
         if _HANDLER not in logger.handlers:
             logger.addHandler(_HANDLER)

@@ -39,6 +39,8 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 # in those processes after vLLM configured its logging, so a handler added then stays
 # (vllm_ext.startup_errors reads the exception from it).
 STARTUP_FAILURE_LOGGER = "vllm"
+# What those two log records say (only start-up failures: a failed step later is not one).
+STARTUP_FAILURE_PHRASE = "failed to start"
 
 
 def loaded_engine_core_module() -> ModuleType | None:

@@ -89,7 +89,10 @@ def step(message: str) -> None:
 
 def run(workdir: Path, keep: bool = True) -> int:
     children: list[Child] = []
-    env = vllm_env()
+    # vLLM leaves its IPC sockets (7 per `vllm serve`, with or without AFD) and a vllm_dist_*
+    # folder in the temporary folder; the servers get one of their own, removed at the end.
+    scratch = Path(tempfile.mkdtemp(prefix="afd-demo-tmp-"))
+    env = {**vllm_env(), "TMPDIR": str(scratch)}
     try:
         step("building the tiny DeepSeek-V2 (hidden 256, 4 layers, 8 experts + 1 shared)")
         model = build_tiny_deepseek(workdir / "tiny-deepseek-v2", version=2)
@@ -177,6 +180,7 @@ def run(workdir: Path, keep: bool = True) -> int:
     finally:
         for child in reversed(children):
             child.stop(signal.SIGKILL, 5)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main() -> None:
