@@ -132,9 +132,9 @@ def checkpoint_digest(
     known = {s: _cached(s, cache) for s in shards}
     todo = [s for s in shards if not _complete(known[s], mode)]
     hashed = _digest_shards(todo, with_content=mode == "content")
-    for shard, entry in hashed.items():
-        known[shard] = entry
-        _store(shard, entry, cache)
+    for shard, fresh in hashed.items():
+        known[shard] = fresh
+        _store(shard, fresh, cache)
     content = hashlib.sha256()
     for shard, path in zip(shards, files, strict=True):
         entry = known[shard]
