@@ -49,6 +49,7 @@ def attention_argv(model: Path, controller: str, *extra: str) -> list[str]:
     )
 
 
+@pytest.mark.line_independent  # the plugin's flag checks, before vLLM starts anything
 def test_bad_afd_flags_are_one_argparse_line(seeds: tuple[Path, Path]) -> None:
     model = seeds[0]
     cases = {
@@ -76,6 +77,7 @@ def test_bad_afd_flags_are_one_argparse_line(seeds: tuple[Path, Path]) -> None:
         assert "Traceback" not in out + err, (name, err[-3000:])
 
 
+@pytest.mark.line_independent  # afd-ctl asked before any engine starts
 def test_an_attention_server_with_no_daemon_says_so_last_within_seconds(
     seeds: tuple[Path, Path],
 ) -> None:
@@ -98,6 +100,9 @@ def test_an_attention_server_with_no_daemon_says_so_last_within_seconds(
     assert took < 90, took
 
 
+# The attention role's failure inside vLLM's engine start (compat.engine_core's logging seam):
+# this feature's end-to-end test on 0.26 too (README, "The two vLLM lines in make test").
+@pytest.mark.both_lines
 @pytest.mark.timeout(600)
 def test_different_weights_are_refused_at_registration_as_the_last_line(
     seeds: tuple[Path, Path], start_daemon, procs: list[Proc], tmp_path: Path

@@ -145,11 +145,17 @@ def checkpoint_digest(
     took = time.monotonic() - started
     if hashed:
         size = sum(s.size for s in todo)
+        rate = size / 1e9 / max(took, 1e-9)
+        cached = len(shards) - len(todo)
         log.info(
             "afd: weights digest over %d file(s): hashed %.2f GB in %.1f s (%.2f GB/s), "
             "%d from the cache",
-            len(shards), size / 1e9, took, size / 1e9 / max(took, 1e-9), len(shards) - len(todo),
-        )  # fmt: skip
+            len(shards),
+            size / 1e9,
+            took,
+            rate,
+            cached,
+        )
     tail = content.hexdigest()[:16] if mode == "content" else "headers-only"
     return f"{layout.hexdigest()[:12]}-{tail}"
 

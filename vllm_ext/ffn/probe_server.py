@@ -30,9 +30,15 @@ TICK_S = 0.25
 
 # An answer: (HTTP status, Content-Type, body).
 Answer = tuple[int, str, bytes]
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           431: "Request Header Fields Too Large", 500: "Internal Server Error",
-           503: "Service Unavailable"}  # fmt: skip
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 @dataclass
