@@ -18,6 +18,7 @@ from afd_ctl.fingerprint import ModelFingerprint
 from vllm_ext.control import ExpectedCounts, expected_counts
 from vllm_ext.exchange.base import AttentionExchange, FfnExchange
 from vllm_ext.exchange.timing import ExchangeTimings
+from vllm_ext.weights_digest import model_weights_digest
 
 if TYPE_CHECKING:
     from afd_ctl.client import ControllerClient, WorkerSpec
@@ -46,7 +47,7 @@ def model_fingerprint(vllm_config: Any) -> ModelFingerprint:
         num_routed_experts=int(routed),
         num_shared_experts=int(getattr(hf, "n_shared_experts", None) or 0),
         dtype=str(model_config.dtype).removeprefix("torch."),
-        weights_digest=_checkpoint_digest(str(model_config.model)),
+        weights_digest=model_weights_digest(vllm_config),
     )
 
 

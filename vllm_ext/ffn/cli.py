@@ -41,13 +41,18 @@ def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
     """Runs one FFN worker; a start-up problem the user must fix (afd-ctl not answering,
     refused credentials, a bad setting) ends it with one line that says what, no traceback."""
     from afd_ctl.errors import AfdError
+    from vllm_ext.control import AfdCredentialsRefused
+    from vllm_ext.startup_errors import one_line, say
 
     worker = FfnWorker(vllm_config, afd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
     try:
-        return worker.run()
-    except (TimeoutError, ValueError, AfdError) as exc:
+        code = worker.run()
+    except (TimeoutError, ValueError, AfdError, AfdCredentialsRefused) as exc:
         log.error("afd ffn %s: %s", worker.worker_id, exc)
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        say(f"error: {one_line(exc)}")
         return 1
+    if code != 0:  # run() logged the failure with its traceback; its reason goes last
+        say("error: " + " ".join(worker._leave_reason.split()))
+    return code
