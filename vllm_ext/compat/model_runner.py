@@ -1,6 +1,7 @@
 """Seam: the V1 model runner's private methods the AFD attention runner overrides
 (`vllm/v1/worker/gpu_model_runner.py` `GPUModelRunner`: `_determine_batch_execution_and_padding`,
-`_model_forward`, `_dummy_run`; CPUModelRunner inherits them) and the tuple the first returns.
+`_model_forward`, `_dummy_run`; CPUModelRunner inherits them) and the tuple the first returns;
+its `execute_model`, only to settle a failed step's KV connector work (`kv_connector`).
 
 Why: `_determine_batch_execution_and_padding` is where vLLM fixes a step's padded token
 counts (every DP rank's too) in execute_model and _dummy_run alike: the AFD step opens there,
@@ -60,6 +61,18 @@ class RunnerSeam:
     """Mixed in front of the platform's V1 model runner (GPUModelRunner or CPUModelRunner,
     which inherits these): overrides the three private methods and calls the runner's hooks,
     which a subclass defines (vllm_ext.attention.worker)."""
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's step; a step that raises (a failed AFD step) still settles its KV connector
+        work (prefill/decode disaggregation: vllm_ext.compat.kv_connector says why)."""
+        from vllm_ext.compat import kv_connector
+
+        kv_connector.watch_kv_connector_lifecycle()
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+        except Exception:
+            kv_connector.settle_failed_step(scheduler_output, self.vllm_config)  # type: ignore[attr-defined]
+            raise
 
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM decides the step's padded size (and, under DP, every rank's) here, before it
