@@ -8,6 +8,9 @@ STAMP := $(VENV)/.afd-setup-stamp
 VENV_026 := .venv-vllm026
 STAMP_026 := $(VENV_026)/.afd-setup-stamp
 VLLM_TESTS := $(wildcard tests/test_vllm_*.py)
+# What the second line runs: the tests marked both_lines (the compat/signature tests and one
+# end-to-end test per feature; the README's "The two vLLM lines in make test" lists them and why).
+LINE_026_TESTS := -m "both_lines and not line_independent" $(VLLM_TESTS)
 export VLLM_HOST_IP ?= 127.0.0.1
 NIXL_VERSION := 1.5.1
 
@@ -48,12 +51,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Each step says what it runs; the total time comes last, pass or fail (set-up not counted).
 test: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
-	$(PY) -m pytest $(PYTEST_PROGRESS) tests
-	@echo "==> the vLLM tests again on the other supported vLLM line, 0.26 (all but those marked line_independent)"
-	$(VENV_026)/bin/python -m pytest $(PYTEST_PROGRESS) -m "not line_independent" $(VLLM_TESTS)
+	$(eval TEST_T0 := $(shell date +%s))
+	@echo '==> ruff check . && mypy'
+	@$(VENV)/bin/ruff check . && $(VENV)/bin/mypy || { $(TEST_TOTAL); exit 1; }
+	@echo '==> every test on vLLM 0.32: pytest $(PYTEST_PROGRESS) tests'
+	@$(PY) -m pytest $(PYTEST_PROGRESS) tests || { $(TEST_TOTAL); exit 1; }
+	@echo '==> the tests marked both_lines again on the other supported vLLM line, 0.26: pytest $(PYTEST_PROGRESS) $(LINE_026_TESTS)'
+	@$(VENV_026)/bin/python -m pytest $(PYTEST_PROGRESS) $(LINE_026_TESTS) || { $(TEST_TOTAL); exit 1; }
+	@$(TEST_TOTAL)
+
+TEST_TOTAL = t=$$(( $$(date +%s) - $(TEST_T0) )); echo "==> make test: $$((t / 60)) min $$((t % 60)) s in all"
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,18 +5,28 @@ The model (MegaScale-Infer's ping-pong balance): with M attention and N FFN work
 each attention worker runs a batch of b tokens per step, so each FFN worker takes A*b. Per
 layer, attention takes T_a(b) and the FFN T_f(A*b). With two or more micro-batches in
 ping-pong the exchange hides behind compute, and a layer costs max(T_a(b), T_f(A*b)); the
-sides balance when T_a(b) = T_f(A*b). T_f is fitted as c0 + c1*B over the FFN reports (each
-report is one point: tokens per step, compute per step); when B barely varies the fit cannot
-tell c0 from c1 and c0 is taken as 0 (said in the advice). Then
+sides balance when T_a(b) = T_f(A*b). T_f is fitted as c0 + c1*B over the FFN's per-step
+points (tokens, compute); when B barely varies the fit cannot tell c0 from c1 and c0 is taken
+as 0 (said in the advice). Then
 
     A* = (T_a(b) - c0) / (c1 * b)
     tokens/s per GPU at A:1 = A*b / (L * max(T_a(b), c0 + c1*A*b) * (A + 1))
+
+Issue 38: the statistics are robust, because a real pair's steps are not a lab's: T_a and b are
+medians, the FFN line a Theil-Sen fit (the median of the slopes between steps of different sizes), so
+a compile step or a hiccup of the machine moves nothing. Warm-up, profile and capture steps
+never reach the window (the daemon counts them apart). A noisy window gets an answer with its
+interval: A* recomputed over resamples of the window's reports (a bootstrap), 5th to 95th
+percentile, instead of a refusal. Advice is refused only without data: a side that does not
+report, a window too short, no tokens.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,10 +34,15 @@ from afd_ctl.v1 import afd_pb2
 
 MIN_STEPS = 50
 MIN_REPORTS = 3
-# Relative spread (coefficient of variation, or the FFN fit's relative residual) above which
-# the window is too noisy to advise from.
+# A relative spread (attention's robust coefficient of variation, or the FFN's median distance
+# from its fit) above which the advice says the window is noisy and how far to trust it.
 MAX_NOISE = 0.25
 CANDIDATES = (1, 2, 3, 4, 6, 8)
+RESAMPLES = 100
+MAX_GROUPS = 64
+# A step size counts for the FFN's line when at least this share of its steps have it.
+MIN_GROUP_SHARE = 0.01
+Point = tuple[float, float, float]  # tokens, compute s, wait s of one step
 
 
 class AdviceRefused(Exception):
@@ -54,28 +69,31 @@ class Advice:
     candidates: list[Candidate]
     assumptions: list[str]
     notes: list[str] = field(default_factory=list)
+    # A* over resamples of the window's reports: 5th and 95th percentile (widened to A* itself
+    # when that lies outside).
+    balanced_ratio_interval: tuple[float, float] = (math.nan, math.nan)
+    noisy: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _points(workers: list[afd_pb2.WorkerTimings]) -> list[tuple[float, float, float]]:
-    """(tokens, compute s, wait s) per step where the reports carry per-step entries, else
-    per-report means."""
-    points: list[tuple[float, float, float]] = []
-    for w in workers:
-        for r in w.window:
-            n = len(r.step_compute_s)
-            if n and len(r.step_tokens) == n and len(r.step_wait_s) == n:
-                points += zip(r.step_tokens, r.step_compute_s, r.step_wait_s, strict=True)
-            elif r.steps:
-                points.append((r.tokens / r.steps, r.compute_s / r.steps, r.wait_s / r.steps))
-    return [(float(x), float(c), float(wt)) for x, c, wt in points]
+def _report_points(r: afd_pb2.StepTimings) -> list[Point]:
+    """(tokens, compute s, wait s) per step where the report carries per-step entries, else
+    its means as one point."""
+    n = len(r.step_compute_s)
+    if n and len(r.step_tokens) == n and len(r.step_wait_s) == n:
+        return [
+            (float(x), float(c), float(w))
+            for x, c, w in zip(r.step_tokens, r.step_compute_s, r.step_wait_s, strict=True)
+        ]
+    if r.steps:
+        return [(r.tokens / r.steps, r.compute_s / r.steps, r.wait_s / r.steps)]
+    return []
 
 
-def _cv(values: list[float]) -> float:
-    mean = statistics.fmean(values)
-    return statistics.pstdev(values) / mean if mean > 0 else math.inf
+def _reports(workers: list[afd_pb2.WorkerTimings]) -> list[list[Point]]:
+    return [points for w in workers for r in w.window if (points := _report_points(r))]
 
 
 def _check(side: str, workers: list[afd_pb2.WorkerTimings]) -> None:
@@ -88,27 +106,111 @@ def _check(side: str, workers: list[afd_pb2.WorkerTimings]) -> None:
     reports = sum(len(w.window) for w in workers)
     if steps < MIN_STEPS or reports < MIN_REPORTS:
         raise AdviceRefused(
-            f"the {side} window is too short: {steps} steps in {reports} reports; need at "
-            f"least {MIN_STEPS} steps in {MIN_REPORTS} reports (run traffic for a few seconds "
-            "and ask again)"
+            f"the {side} window is too short: {steps} serving steps in {reports} reports; need "
+            f"at least {MIN_STEPS} steps in {MIN_REPORTS} reports (send requests for a few "
+            "seconds and ask again; warm-up steps do not count)"
         )
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float, bool]:
-    """Least squares y = c0 + c1*x; (c0, c1, whether x varied enough to fit c0)."""
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The value at half the total weight of (value, weight) pairs."""
+    ordered = sorted(pairs)
+    half = sum(w for _, w in ordered) / 2
+    seen = 0.0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= half:
+            return value
+    return ordered[-1][0] if ordered else 0.0
+
+
+def _groups(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, int]]:
+    """(x, median y, count) per distinct x, or per one of MAX_GROUPS bins of equal count when
+    x takes more values than that."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in points:
+        by_x.setdefault(x, []).append(y)
+    if len(by_x) <= MAX_GROUPS:
+        return [(x, _median(ys), len(ys)) for x, ys in sorted(by_x.items())]
+    ordered = sorted(points)
+    size = -(-len(ordered) // MAX_GROUPS)
+    chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    return [(_median([x for x, _ in c]), _median([y for _, y in c]), len(c)) for c in chunks]
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float, bool]:
+    """Theil-Sen y = c0 + c1*x over groups of equal x: c1 the median of the slopes between
+    every two groups that hold at least MIN_GROUP_SHARE of the points (5 at least), each slope
+    weighted by the pairs of steps it stands for (0 when that is negative); c0 the median of
+    y - c1*x; (c0, c1, whether x varied enough to fit c0). Otherwise (one size of step, or a
+    negative c0) y = c1*x through the medians."""
     xs = [x for x, _ in points]
-    ys = [y for _, y in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
+    mx, my = _median(xs), _median([y for _, y in points])
     if mx <= 0:
         return my, 0.0, False
-    if sxx <= (0.05 * mx) ** 2 * len(xs):  # tokens per step spread under 5%: proportional
+    least = max(5.0, MIN_GROUP_SHARE * len(points))
+    groups = [g for g in _groups(points) if g[2] >= least]
+    slopes = [
+        ((y2 - y1) / (x2 - x1), n1 * n2)
+        for i, (x1, y1, n1) in enumerate(groups)
+        for x2, y2, n2 in groups[i + 1 :]
+        if x2 - x1 > 0.05 * mx  # steps of nearly the same size say nothing of a slope
+    ]
+    if not slopes:
         return 0.0, my / mx, False
-    c1 = sum((x - mx) * (y - my) for x, y in points) / sxx
-    c0 = my - c1 * mx
-    if c0 < 0 or c1 <= 0:  # a line through noise; fall back to proportional
+    # Compute that does not grow with the step's size: flat (c1 = 0), so no ratio makes the
+    # FFN side the bottleneck (A* infinite), which a proportional line would turn around.
+    c1 = max(0.0, _weighted_median(slopes))
+    c0 = _median([y - c1 * x for x, y in points])
+    if c0 < 0:  # steps cost more than their size explains: proportional is the closer line
         return 0.0, my / mx, False
     return c0, c1, True
+
+
+@dataclass
+class Estimate:
+    t_a_step: float  # median attention compute per step, s
+    b: float  # median tokens per attention step
+    c0_step: float
+    c1_step: float
+    fitted: bool
+    ffn_tokens: float
+
+    def balanced(self, layers: int) -> float:
+        c0, c1 = self.c0_step / layers, self.c1_step / layers
+        return (self.t_a_step / layers - c0) / (c1 * self.b) if c1 > 0 and self.b > 0 else math.inf
+
+
+def _estimate(attention: list[list[Point]], ffn: list[list[Point]]) -> Estimate:
+    a_points = [p for r in attention for p in r]
+    f_points = [p for r in ffn for p in r]
+    c0, c1, fitted = fit_line([(x, y) for x, y, _ in f_points])
+    return Estimate(
+        t_a_step=_median([c for _, c, _ in a_points]),
+        b=_median([x for x, _, _ in a_points]),
+        c0_step=c0,
+        c1_step=c1,
+        fitted=fitted,
+        ffn_tokens=_median([x for x, _, _ in f_points]),
+    )
+
+
+def _interval(
+    attention: list[list[Point]], ffn: list[list[Point]], layers: int, rng: random.Random
+) -> tuple[float, float]:
+    """A* over RESAMPLES resamples (with replacement) of each side's reports: 5th, 95th
+    percentile."""
+    values = []
+    for _ in range(RESAMPLES):
+        a = [attention[rng.randrange(len(attention))] for _ in attention]
+        f = [ffn[rng.randrange(len(ffn))] for _ in ffn]
+        values.append(_estimate(a, f).balanced(layers))  # infinite: the FFN never limits
+    values.sort()
+    return values[int(0.05 * (RESAMPLES - 1))], values[int(0.95 * (RESAMPLES - 1))]
 
 
 def advise(timings: afd_pb2.Timings) -> Advice:
@@ -117,33 +219,28 @@ def advise(timings: afd_pb2.Timings) -> Advice:
     _check("attention", attention)
     _check("FFN", ffn)
     layers = max(w.load.layers for w in timings.workers) or 1
-    a_points = _points(attention)
-    f_points = _points(ffn)
-    a_noise = _cv([c for _, c, _ in a_points])
-    if a_noise > MAX_NOISE:
-        raise AdviceRefused(
-            f"the attention window is too noisy: attention compute varies by {a_noise:.0%} "
-            f"from step to step (coefficient of variation), above {MAX_NOISE:.0%}; "
-            "wait for steadier traffic and ask again"
-        )
-    c0_step, c1_step, fitted = fit_line([(x, y) for x, y, _ in f_points])
-    residual = [abs(y - (c0_step + c1_step * x)) for x, y, _ in f_points]
-    f_mean = statistics.fmean([y for _, y, _ in f_points])
-    f_noise = statistics.fmean(residual) / f_mean if f_mean > 0 else math.inf
-    if f_noise > MAX_NOISE:
-        raise AdviceRefused(
-            f"the FFN window is too noisy: FFN compute per step strays {f_noise:.0%} on average "
-            f"from its fit in tokens per step, above {MAX_NOISE:.0%}; ask again later"
-        )
+    a_reports, f_reports = _reports(attention), _reports(ffn)
+    rng = random.Random(0)  # the same window gives the same advice
+    est = _estimate(a_reports, f_reports)
+    if est.b <= 0:
+        raise AdviceRefused("the attention workers report 0 tokens per step: no traffic yet")
+    a_compute = [c for r in a_reports for _, c, _ in r]
+    a_noise = 1.4826 * _median([abs(c - est.t_a_step) for c in a_compute]) / est.t_a_step
+    f_points = [p for r in f_reports for p in r]
+    f_mean = _median([y for _, y, _ in f_points])
+    f_residual = _median([abs(y - (est.c0_step + est.c1_step * x)) for x, y, _ in f_points])
+    f_noise = f_residual / f_mean if f_mean > 0 else math.inf
+    lo, hi = _interval(a_reports, f_reports, layers, rng)
+    # A lopsided spread of resamples can leave the window's own estimate outside their 90%:
+    # the interval then reaches out to it.
+    a_star = est.balanced(layers)
+    interval = (min(lo, a_star), max(hi, a_star))
+    b, fitted, ffn_tokens = est.b, est.fitted, est.ffn_tokens
+    t_a = est.t_a_step / layers  # per layer, seconds
+    c0, c1 = est.c0_step / layers, est.c1_step / layers
     m, n = len(attention), len(ffn)
     a_now = m / n
-    b = statistics.fmean([x for x, _, _ in a_points])
-    if b <= 0:
-        raise AdviceRefused("the attention workers report 0 tokens per step: no traffic yet")
-    t_a = statistics.fmean([c for _, c, _ in a_points]) / layers  # per layer, seconds
-    c0, c1 = c0_step / layers, c1_step / layers
     t_f_now = c0 + c1 * a_now * b
-    ffn_tokens = statistics.fmean([x for x, _, _ in f_points])
     a_wait = sum(r.wait_s for w in attention for r in w.window) / max(
         1e-12, sum(r.busy_wall_s for w in attention for r in w.window)
     )
@@ -158,6 +255,16 @@ def advise(timings: afd_pb2.Timings) -> Advice:
     )
     balanced = (t_a - c0) / (c1 * b) if c1 > 0 else math.inf
     notes: list[str] = []
+    lo, hi = interval
+    wide = not math.isfinite(hi) or hi - lo > 0.5 * balanced
+    noisy = a_noise > MAX_NOISE or f_noise > MAX_NOISE or wide
+    if noisy:
+        notes.append(
+            f"noisy window: attention compute varies by {a_noise:.0%} from step to step "
+            f"(robust), FFN compute strays {f_noise:.0%} from its fit; A* lies in "
+            f"[{lo:.2f}, {hi:.2f}] over resamples of the window's reports (90%): trust the "
+            "ratio that far, or ask again after steadier traffic"
+        )
     if not fitted:
         notes.append(
             "tokens per step barely varied on the FFN side (or the fit was not a line): "
@@ -185,6 +292,12 @@ def advise(timings: afd_pb2.Timings) -> Advice:
             )
         )
     best = max(candidates, key=lambda c: c.tokens_per_s_per_gpu)
+    if math.isinf(balanced):
+        notes.append(
+            "FFN compute does not grow with tokens per step over the sizes in the window "
+            "(c1 = 0): no attention:FFN ratio makes the FFN side the bottleneck in this model "
+            "(A* is infinite; the candidates show where attention keeps it)"
+        )
     if balanced < 1:
         notes.append(
             f"A* = {balanced:.2f} < 1: the FFN side is slower than attention even at 1:1; "
@@ -210,7 +323,11 @@ def advise(timings: afd_pb2.Timings) -> Advice:
             "ffn_waiting_share": f_wait,
             "attention_steps": sum(r.steps for w in attention for r in w.window),
             "ffn_steps": sum(r.steps for w in ffn for r in w.window),
+            "attention_noise": a_noise,
+            "ffn_noise": f_noise,
         },
+        balanced_ratio_interval=interval,
+        noisy=noisy,
         balanced_ratio=balanced,
         recommended=f"{best.attention}:{best.ffn}",
         candidates=candidates,
@@ -219,34 +336,9 @@ def advise(timings: afd_pb2.Timings) -> Advice:
             "it); each FFN worker serves A*b tokens per step",
             "ping-pong with two or more micro-batches hides the exchange: a layer costs "
             "max(T_a, T_f); at A:1 the faster side idles the rest",
-            "T_f is linear in tokens per step (fitted over the window); T_a is measured at b",
+            "T_f is linear in tokens per step (fitted over the window); T_a is measured at b; "
+            "both are medians of serving steps (warm-up, profile and capture steps left out)",
             "one GPU per worker; tokens/s per GPU counts attention and FFN GPUs alike",
         ],
         notes=notes,
     )
-
-
-def format_advice(advice: Advice) -> str:
-    i = advice.inputs
-    lines = [
-        f"bottleneck   {advice.bottleneck} side: {advice.why}",
-        f"formula      {advice.formula}",
-        f"inputs       M={i['M_attention_workers']:.0f} N={i['N_ffn_workers']:.0f} "
-        f"b={i['b_tokens_per_attention_step']:.1f} tokens L={i['L_layers']:.0f} "
-        f"T_a(b)={i['T_a_ms_per_layer']:.3f} ms c0={i['c0_ms_per_layer']:.3f} ms "
-        f"c1={i['c1_us_per_token_per_layer']:.3f} us/token "
-        f"(from {i['attention_steps']:.0f} attention and {i['ffn_steps']:.0f} FFN steps)",
-        f"balance      A* = {advice.balanced_ratio:.2f} attention per FFN worker; "
-        f"best candidate {advice.recommended}",
-        "",
-        f"{'RATIO':>7} {'LAYER MS':>9} {'BOTTLENECK':>10} {'TOKENS/S/GPU':>13}",
-    ]
-    for c in advice.candidates:
-        lines.append(
-            f"{c.attention:>5}:{c.ffn:<1} {c.layer_ms:>9.3f} {c.bottleneck:>10} "
-            f"{c.tokens_per_s_per_gpu:>13.1f}"
-        )
-    lines += ["", "assumptions"] + [f"  - {a}" for a in advice.assumptions]
-    if advice.notes:
-        lines += ["notes"] + [f"  - {n}" for n in advice.notes]
-    return "\n".join(lines)

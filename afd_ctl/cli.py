@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 
 import grpc
-from google.protobuf import json_format
-from google.protobuf.message import Message
 
 from afd_ctl import __version__
 from afd_ctl.channel import (
@@ -23,13 +19,13 @@ from afd_ctl.channel import (
     open_channel,
     tls_problem,
 )
+from afd_ctl.cli_text import RECENT_SHOWN, format_status, format_tap, format_workers, to_json
+from afd_ctl.cli_timing import out_path_problem, run_advise, run_trace
 from afd_ctl.config import DaemonConfig
 from afd_ctl.tls import TlsFileError
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
 ROLE_NAMES = {"attention": afd_pb2.ATTENTION, "ffn": afd_pb2.FFN, "all": afd_pb2.ROLE_UNSPECIFIED}
-# `afd-ctl status` shows this many of the recent membership events (the JSON has all).
-RECENT_SHOWN = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,18 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-blob-bytes", type=int, metavar="B", help="data-plane blob limit (1 MiB)"
     )
-    serve.add_argument(
-        "--max-watch-streams",
-        type=int,
-        metavar="K",
-        help="open health Watch and Tap streams, in total (1024)",
-    )
-    serve.add_argument(
-        "--max-watch-streams-per-client",
-        type=int,
-        metavar="K",
-        help="open health Watch and Tap streams per client host (64)",
-    )
+    for kind, what, total, per_client in (
+        ("watch", "health Watch streams (no token needed)", 1024, 64),
+        ("tap", "Tap streams (afd-ctl watch), a budget of their own", 64, 16),
+    ):
+        serve.add_argument(
+            f"--max-{kind}-streams", type=int, metavar="K", help=f"open {what}, in total ({total})"
+        )
+        serve.add_argument(
+            f"--max-{kind}-streams-per-client",
+            type=int,
+            metavar="K",
+            help=f"open {what}, per client host ({per_client})",
+        )
     serve.add_argument(
         "--drain-grace-s", type=float, metavar="S", help="SIGTERM/stop grace before exit (5.0)"
     )
@@ -172,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="bottleneck side and the attention:FFN ratio that balances them",
         description="From the workers' rolling timing windows: which side is the bottleneck, "
         "the attention:FFN ratio that balances them (formula and inputs shown) and the "
-        "predicted tokens/s per GPU of a few ratios. Refuses when the window is too short or "
-        "too noisy (exit 3).",
+        "predicted tokens/s per GPU of a few ratios, from medians of serving steps, with the "
+        "ratio's interval (a noisy window is answered and says so). Refuses only without data: "
+        "a side that does not report, or fewer than 50 steps in 3 reports (exit 3).",
     )
     client_flags(advise)
     advise.add_argument("--json", action="store_true")
@@ -182,12 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="record N steps across every worker as a Chrome/Perfetto trace",
         description="Ask every reporting worker to record the next N steps and write them as "
         "trace-event JSON (ui.perfetto.dev, chrome://tracing): one track per worker, clocks "
-        "aligned to the daemon's (method and error in the file's metadata).",
+        "aligned to the daemon's (method and error in the file's metadata). Fails in one line "
+        "before recording when --out cannot be written, and after 5 s when no step runs.",
     )
     client_flags(trace)
     trace.add_argument("--steps", type=int, default=10, help="consecutive steps (10)")
     trace.add_argument("--out", required=True, help="file to write")
-    trace.add_argument("--wait-s", type=float, default=30.0, help="wait for the workers (30)")
+    trace.add_argument(
+        "--wait-s", type=float, default=30.0, help="wait for the workers' spans (30)"
+    )
     return parser
 
 
@@ -243,6 +244,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
+    if args.command == "trace":  # before recording: a trace nobody can keep is lost work
+        unwritable = out_path_problem(args.out)
+        if unwritable:
+            print(f"afd-ctl trace: {unwritable}", file=sys.stderr)
+            return 2
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_key:
         # Without --tls-ca the system's CAs check the daemon; a client pair is for mTLS.
@@ -306,174 +312,6 @@ def run_client_command(args: argparse.Namespace) -> int:
     finally:
         channel.close()
     return 0
-
-
-def run_advise(
-    stub: afd_pb2_grpc.AFDInspectStub,
-    args: argparse.Namespace,
-    metadata: tuple[tuple[str, str], ...],
-) -> int:
-    from afd_ctl.advice import AdviceRefused, advise, format_advice
-
-    timings = stub.GetTimings(afd_pb2.GetTimingsRequest(), timeout=args.timeout, metadata=metadata)
-    try:
-        advice = advise(timings)
-    except AdviceRefused as exc:
-        if args.json:
-            print(json.dumps({"refused": str(exc)}))
-        print(f"afd-ctl advise: {exc}", file=sys.stderr)
-        return 3
-    print(json.dumps(advice.to_dict(), indent=2) if args.json else format_advice(advice))
-    return 0
-
-
-def run_trace(
-    stub: afd_pb2_grpc.AFDInspectStub,
-    args: argparse.Namespace,
-    metadata: tuple[tuple[str, str], ...],
-) -> int:
-    from afd_ctl.trace import to_chrome
-
-    result = stub.Trace(
-        afd_pb2.TraceRequest(steps=args.steps, timeout_s=args.wait_s),
-        timeout=args.wait_s + args.timeout,
-        metadata=metadata,
-    )
-    with open(args.out, "w") as f:
-        json.dump(to_chrome(result), f)
-    spans = sum(len(w.spans) for w in result.workers)
-    print(
-        f"wrote {args.out}: steps {result.first_step_id}..{result.first_step_id + result.steps - 1}, "
-        f"{len(result.workers)} worker(s), {spans} spans"
-    )
-    for w in result.workers:
-        print(
-            f"  {w.worker.worker_id}: clock offset {w.offset_s * 1e6:+.0f} us "
-            f"+- {w.offset_error_s * 1e6:.0f} us"
-        )
-    if result.missing:
-        print(f"  no answer from: {', '.join(result.missing)}")
-    return 0
-
-
-def to_json(message: Message, indent: int | None = 2) -> str:
-    """Every field, zeros and empty lists included, with 64-bit numbers as JSON numbers."""
-    data = json_format.MessageToDict(
-        message,
-        always_print_fields_with_no_presence=True,
-        preserving_proto_field_name=True,
-        unquote_int64_if_possible=True,
-    )
-    return json.dumps(data, indent=indent, sort_keys=True)
-
-
-def format_status(status: afd_pb2.Status) -> str:
-    # health_state is the enum; an older daemon only fills the word.
-    health = afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
-    lines = [
-        f"health      {health}",
-        f"epoch       {status.epoch}   (incarnation {status.controller_incarnation})",
-        f"listen      {status.listen}   uptime {status.uptime_s:.0f} s",
-        f"steps       {status.steps_relayed} relayed, last step id {status.last_step_id}, "
-        f"{status.payloads_rejected} rejected",
-        "",
-        f"{'ROLE':<10} {'REGISTERED':>10} {'EXPECTED':>9}",
-    ]
-    for role in status.roles:
-        lines.append(
-            f"{afd_pb2.Role.Name(role.role).lower():<10} {role.registered:>10} {role.expected:>9}"
-        )
-    if status.ffn_groups:  # an older daemon does not say
-        expected = {r.role: r.expected for r in status.roles}
-        ffn = expected.get(afd_pb2.FFN, 0)
-        lines.append(
-            f"ffn groups  {status.ffn_groups} (expert-parallel size "
-            f"{ffn // status.ffn_groups if ffn % status.ffn_groups == 0 else 'uneven'})"
-        )
-    if status.subscribers:
-        lines += ["", f"{'SUBSCRIBER':<28} {'QUEUED':>7} {'CAPACITY':>9} {'LAST STEP':>10}"]
-        for sub in status.subscribers:
-            lines.append(
-                f"{sub.worker_id:<28} {sub.queued:>7} {sub.queue_capacity:>9} {sub.last_step_id:>10}"
-            )
-    if status.loads:
-        lines += [
-            "",
-            f"{'LOAD (ROLLING WINDOW)':<28} {'ROLE':<9} {'STEPS':>6} {'UTIL':>5} {'WAIT':>5} "
-            f"{'COMPUTE MS':>10} {'WAIT MS':>8} {'TOKENS':>7}",
-        ]
-        for load in status.loads:
-            lines.append(
-                f"{load.worker_id:<28} {afd_pb2.Role.Name(load.role).lower():<9} "
-                f"{load.steps:>6} {load.utilisation:>5.0%} {load.waiting_share:>5.0%} "
-                f"{load.compute_ms_per_step:>10.3f} {load.wait_ms_per_step:>8.3f} "
-                f"{load.tokens_per_step:>7.1f}"
-            )
-    if status.taps:
-        lines += [
-            "",
-            f"{'TAP (LIVE STREAM)':<28} {'QUEUED':>7} {'CAPACITY':>9} {'SENT':>8} "
-            f"{'LAST STEP':>10} {'BEHIND':>7}",
-        ]
-        for tap in status.taps:
-            behind = status.last_step_id - tap.last_step_id if tap.include_payloads else 0
-            lines.append(
-                f"{tap.peer:<28} {tap.queued:>7} {tap.queue_capacity:>9} {tap.delivered:>8} "
-                f"{tap.last_step_id if tap.include_payloads else '-':>10} {behind:>7}"
-            )
-    if status.recent_events:
-        lines += ["", "RECENT EVENTS"]
-        for event in status.recent_events[-RECENT_SHOWN:]:
-            kind = afd_pb2.MembershipEvent.Kind.Name(event.kind)
-            who = ""
-            if event.HasField("worker"):
-                role_name = afd_pb2.Role.Name(event.worker.role).lower()
-                who = f" {role_name} {event.worker.role_rank} ({event.worker.worker_id})"
-            when = time.strftime("%H:%M:%S", time.localtime(event.at_s))
-            reason = f": {event.reason}" if event.reason else ""
-            lines.append(f"{when} {kind}{who}{reason}")
-    return "\n".join(lines)
-
-
-def format_workers(workers: Sequence[afd_pb2.WorkerInfo]) -> str:
-    if not workers:
-        return "no workers registered"
-    lines = [f"{'ROLE':<10} {'RANK':>4} {'DP':>5} {'TP':>5}  {'WORKER ID':<28} {'PEER':<24} AGE"]
-    now = time.time()
-    for w in workers:
-        dp, tp = f"{w.dp_rank}/{w.dp_size}", f"{w.tp_rank}/{w.tp_size}"
-        lines.append(
-            f"{afd_pb2.Role.Name(w.role).lower():<10} {w.role_rank:>4} {dp:>5} {tp:>5}  "
-            f"{w.worker_id:<28} {w.peer:<24} {now - w.registered_at_s:.0f}s"
-        )
-    return "\n".join(lines)
-
-
-def format_tap(event: afd_pb2.TapEvent) -> str:
-    if event.WhichOneof("event") == "payload":
-        p = event.payload
-        stages = " ".join(
-            f"s{i}={list(p.stages[i].num_tokens_across_dp)}" for i in sorted(p.stages)
-        )
-        flags = [
-            name
-            for name in (
-                "is_warmup",
-                "is_graph_capturing",
-                "is_graph_replaying",
-                "records_only",
-                "is_profile",
-                "stop",
-            )
-            if getattr(p, name)
-        ]
-        return f"payload step={p.step_id} epoch={p.epoch} from={p.sender_role_rank} {stages} {' '.join(flags)}".rstrip()
-    e = event.membership
-    who = ""
-    if e.HasField("worker"):
-        who = f" {afd_pb2.Role.Name(e.worker.role).lower()} rank {e.worker.role_rank} ({e.worker.worker_id})"
-    kind = afd_pb2.MembershipEvent.Kind.Name(e.kind)
-    return f"event {kind}{who} epoch={e.view.epoch} complete={e.view.complete} {e.reason}".rstrip()
 
 
 if __name__ == "__main__":

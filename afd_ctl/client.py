@@ -242,6 +242,7 @@ class ControllerClient:
 
         With a `reason` ("RuntimeError: ...", "stop received") the daemon is told why first,
         and every peer's PEER_LOST event says "left: <reason>"."""
+        self.timings.close()  # its last steps go before the session ends
         self._link.begin_close(reason)
         self._publisher.close()
         self._link.close(timeout_s)

@@ -35,10 +35,14 @@ class DaemonConfig:
     # Messages queued per worker session before a slow subscriber is cut off.
     subscriber_queue: int = 4096
     max_blob_bytes: int = 1 << 20
-    # Streams that only watch (health Watch, which needs no token, and Tap): open at once in
-    # total and per client host; more are refused with RESOURCE_EXHAUSTED.
+    # Health Watch streams (which need no token): open at once in total and per client host;
+    # more are refused with RESOURCE_EXHAUSTED.
     max_watch_streams: int = 1024
     max_watch_streams_per_client: int = 64
+    # Tap streams (`afd-ctl watch`; the token's, when there is one): a budget of their own, so
+    # anonymous health Watch streams never lock an operator out.
+    max_tap_streams: int = 64
+    max_tap_streams_per_client: int = 16
     # Time the daemon gives workers to hang up after STOP on SIGTERM/SIGINT or `afd-ctl stop`.
     drain_grace_s: float = 5.0
     # 0: off; -1: a port the kernel picks, named in the "metrics on" log line.
@@ -73,11 +77,14 @@ class DaemonConfig:
             raise ValueError(f"--subscriber-queue must be >= 8, got {self.subscriber_queue}")
         if not 0 < self.max_blob_bytes <= 1 << 20:
             raise ValueError(f"--max-blob-bytes must be in (0, 1 MiB], got {self.max_blob_bytes}")
-        if not 1 <= self.max_watch_streams_per_client <= self.max_watch_streams:
-            raise ValueError(
-                "--max-watch-streams-per-client must be in [1, --max-watch-streams], got "
-                f"{self.max_watch_streams_per_client} and {self.max_watch_streams}"
-            )
+        for kind in ("watch", "tap"):
+            total = getattr(self, f"max_{kind}_streams")
+            per_client = getattr(self, f"max_{kind}_streams_per_client")
+            if not 1 <= per_client <= total:
+                raise ValueError(
+                    f"--max-{kind}-streams-per-client must be in [1, --max-{kind}-streams], got "
+                    f"{per_client} and {total}"
+                )
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
         if not -1 <= self.metrics_port < 65536:

@@ -7,7 +7,6 @@ serves. Messages are protobuf objects; the servicer only moves them on and off t
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import logging
 import secrets
@@ -18,15 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from afd_ctl.config import DaemonConfig
+from afd_ctl.daemon_views import status_of, view_for, worker_info
 from afd_ctl.errors import ControlError
 from afd_ctl.logs import clip
 from afd_ctl.mailbox import Mailbox
-from afd_ctl.membership import ATTENTION, FFN, ROLES, Membership, Worker, WorkerSpec
-from afd_ctl.step_window import Histogram, StepWindows, load_of
-from afd_ctl.trace import MAX_TRACE_STEPS, PendingTrace
+from afd_ctl.membership import ATTENTION, FFN, Membership, Worker, WorkerSpec
+from afd_ctl.taps import Taps
+from afd_ctl.timing_book import TimingBook
+from afd_ctl.trace import PendingTrace
 from afd_ctl.v1 import afd_pb2
 from afd_ctl.validation import validate_payload
-from afd_ctl.wire import PUBLISH_SECRET_METADATA, ROLE_TO_PROTO, WORKER_ID_METADATA
+from afd_ctl.wire import PUBLISH_SECRET_METADATA, WORKER_ID_METADATA
 
 log = logging.getLogger(__name__)
 
@@ -45,35 +46,6 @@ class Session:
     ended: bool = False
 
 
-@dataclass
-class Tap:
-    mailbox: Mailbox[afd_pb2.TapEvent]
-    include_payloads: bool
-    peer: str = ""
-
-
-@dataclass(frozen=True)
-class MetricsSnapshot:
-    """The numbers a Prometheus scrape reports, copied on the event loop in one go so that the
-    scrape thread never reads the controller's state while it changes."""
-
-    epoch: int
-    serving: bool
-    registered: dict[str, int]
-    expected: dict[str, int]
-    steps_relayed: int
-    payloads_rejected: int
-    joins: int
-    losses: int
-    last_step_id: int
-    queued: dict[str, int]
-    # Issue 26: per worker id, its role and per-phase histograms of per-step seconds.
-    step_histograms: dict[str, tuple[str, dict[str, Histogram]]] = dataclasses.field(
-        default_factory=dict
-    )
-    loads: list[afd_pb2.WorkerLoad] = dataclasses.field(default_factory=list)
-
-
 class Controller:
     def __init__(self, config: DaemonConfig, first_epoch: int | None = None) -> None:
         self.config = config
@@ -87,7 +59,7 @@ class Controller:
             ffn_groups=config.ffn_groups,
         )
         self.sessions: dict[str, Session] = {}
-        self.taps: list[Tap] = []
+        self.taps = Taps(config.subscriber_queue)
         # The last RECENT_EVENTS membership changes, for status (what happened, and why).
         self.recent_events: deque[afd_pb2.MembershipEvent] = deque(maxlen=RECENT_EVENTS)
         self.draining = False
@@ -96,15 +68,14 @@ class Controller:
         self.steps_relayed = 0
         self.payloads_rejected = 0
         self.last_step_id = 0
+        self.last_payload_at = 0.0
         self.health_listeners: list[Callable[[str], None]] = []
         # The address actually bound (the configured one may say port 0).
         self.listen_address = config.listen
         self._targets: dict[int, list[Mailbox[afd_pb2.SessionMessage]]] = {}
         self._targets_epoch = -1
         # Issue 26: each reporting worker's rolling window, and the trace being recorded.
-        self.step_windows = StepWindows()
-        self.trace: PendingTrace | None = None
-        self._trace_ids = 0
+        self.timing = TimingBook(self.membership.ffn_groups)
 
     # -- health --------------------------------------------------------------------------
     @property
@@ -159,7 +130,7 @@ class Controller:
         session.ended = True
         if self.sessions.get(worker.worker_id) is session:
             del self.sessions[worker.worker_id]
-            self.step_windows.forget(worker.worker_id)
+            self.timing.forget(worker.worker_id)
         session.mailbox.close("CANCELLED", reason, discard=True)
         if not self.membership.leave(worker, reason):
             return
@@ -242,6 +213,8 @@ class Controller:
             raise
         sender.last_step_id = payload.step_id
         self.last_step_id = payload.step_id
+        self.last_payload_at = time.monotonic()
+        self.timing.on_payload(sender, payload)
         if payload.stop:
             self.stop_relayed = True
         self.steps_relayed += 1
@@ -252,7 +225,7 @@ class Controller:
             else:
                 self._cut_off_mailbox(mailbox)
         if self.taps:
-            self._tap(afd_pb2.TapEvent(payload=payload), payloads=True)
+            self.taps.offer(afd_pb2.TapEvent(payload=payload), payloads=True)
 
     def _targets_of(self, sender: Worker) -> list[Mailbox[afd_pb2.SessionMessage]]:
         if self._targets_epoch != self.membership.epoch:
@@ -277,25 +250,20 @@ class Controller:
                     f"(--subscriber-queue; last delivered step {mailbox.last_step_id}); cut off",
                 )
 
-    # -- step timings and traces (issue 26) ----------------------------------------------
+    # -- step timings and traces (issue 26; kept in afd_ctl/timing_book.py) ----------------
     def record_timings(self, session: Session, report: afd_pb2.StepTimings) -> bool:
-        """A worker's StepTimings; False when refused (too fast, too large; counted)."""
+        """A worker's StepTimings; False when refused (counted)."""
         if session.ended:
             return False
-        w = session.worker
-        return self.step_windows.record(w.worker_id, w.role, w.role_rank, report)
+        return self.timing.record(session.worker, report)
 
     def record_trace(self, session: Session, spans: afd_pb2.TraceSpans, received_at: float) -> None:
-        if self.trace is not None and not session.ended:
-            self.trace.take(session.worker.worker_id, spans, received_at)
+        if not session.ended:
+            self.timing.take_spans(session.worker.worker_id, spans, received_at)
 
     def start_trace(self, steps: int) -> PendingTrace:
         """Asks every worker that reports timings (only those know TraceStart) to record the
-        next `steps` steps, from a step id far enough ahead that all of them see it whole."""
-        if not 1 <= steps <= MAX_TRACE_STEPS:
-            raise ControlError("INVALID_ARGUMENT", f"steps {steps} is not in 1..{MAX_TRACE_STEPS}")
-        if self.trace is not None and not self.trace.complete:
-            raise ControlError("FAILED_PRECONDITION", "a trace is already being recorded")
+        next `steps` steps."""
         if not self.membership.complete:
             raise ControlError(
                 "FAILED_PRECONDITION",
@@ -304,55 +272,12 @@ class Controller:
         asked = {
             worker_id: self.worker_info(session.worker)
             for worker_id, session in self.sessions.items()
-            if worker_id in self.step_windows.windows
+            if self.timing.reporting(worker_id)
         }
-        if not asked:
-            raise ControlError(
-                "FAILED_PRECONDITION",
-                "no worker reports step timings, so none can record a trace (workers report "
-                "through ControllerClient.timings; an older worker does not)",
-            )
-        self._trace_ids += 1
-        # Ahead of every worker: two steps past the last relayed payload (the next one may be on
-        # its way), and past each worker's last report by as many steps again as that report
-        # held (reports lag by up to one interval; steps that no payload names, too).
-        first = self.last_step_id + 2
-        for worker_id in asked:
-            reports = self.step_windows.windows[worker_id].reports
-            if reports:
-                first = max(first, reports[-1].last_step_id + reports[-1].steps + 2)
-        sent_at = time.monotonic()
-        self.trace = PendingTrace(self._trace_ids, first, steps, sent_at, asked)
-        start = afd_pb2.TraceStart(
-            trace_id=self._trace_ids, first_step_id=first, steps=steps, daemon_sent_s=sent_at
-        )
+        trace, start = self.timing.start_trace(steps, asked, self.last_step_id)
         for worker_id in asked:
             self.sessions[worker_id].mailbox.offer(afd_pb2.SessionMessage(trace_start=start))
-        log.info(
-            "trace %d: steps %d..%d on %d worker(s)",
-            self._trace_ids,
-            first,
-            first + steps - 1,
-            len(asked),
-        )
-        return self.trace
-
-    def end_trace(self, trace: PendingTrace) -> None:
-        if self.trace is trace:
-            self.trace = None
-
-    def loads(self) -> list[afd_pb2.WorkerLoad]:
-        return [
-            load_of(window, ROLE_TO_PROTO[window.role])
-            for _, window in sorted(self.step_windows.windows.items())
-        ]
-
-    def timings(self) -> afd_pb2.Timings:
-        out = afd_pb2.Timings(window_reports=self.step_windows.window_reports)
-        for load in self.loads():
-            window = self.step_windows.windows[load.worker_id]
-            out.workers.add(load=load, window=list(window.reports))
-        return out
+        return trace
 
     # -- events --------------------------------------------------------------------------
     def _broadcast(
@@ -384,30 +309,7 @@ class Controller:
             if not session.mailbox.offer(afd_pb2.SessionMessage(event=event)):
                 self._cut_off(session, "fell behind: membership event could not be queued")
         if self.taps:
-            self._tap(afd_pb2.TapEvent(membership=recent), payloads=False)
-
-    def _tap(self, event: afd_pb2.TapEvent, payloads: bool) -> None:
-        for tap in list(self.taps):
-            if payloads and not tap.include_payloads:
-                continue
-            if not tap.mailbox.offer(event):
-                reason = (
-                    f"tap fell behind: {tap.mailbox.capacity} events queued and unread "
-                    "(--subscriber-queue); cut off"
-                )
-                log.warning("tap from %s cut off: %s", tap.peer, reason)
-                tap.mailbox.close("RESOURCE_EXHAUSTED", reason, discard=True)
-                self.taps.remove(tap)
-
-    def add_tap(self, include_payloads: bool, peer: str = "") -> Tap:
-        """A tap's queue is as long as a worker's (--subscriber-queue)."""
-        tap = Tap(Mailbox(self.config.subscriber_queue), include_payloads, peer)
-        self.taps.append(tap)
-        return tap
-
-    def remove_tap(self, tap: Tap) -> None:
-        if tap in self.taps:
-            self.taps.remove(tap)
+            self.taps.offer(afd_pb2.TapEvent(membership=recent), payloads=False)
 
     # -- drain ---------------------------------------------------------------------------
     def drain(self, reason: str, *, stop: bool) -> int:
@@ -433,102 +335,15 @@ class Controller:
         self._health_changed()
         return told
 
-    # -- views ---------------------------------------------------------------------------
+    # -- views (afd_ctl/daemon_views.py) ----------------------------------------------------
     def worker_info(self, worker: Worker) -> afd_pb2.WorkerInfo:
-        spec = worker.spec
-        return afd_pb2.WorkerInfo(
-            worker_id=spec.worker_id,
-            role=ROLE_TO_PROTO[spec.role],
-            role_rank=spec.role_rank,
-            dp_rank=spec.dp_rank,
-            dp_size=spec.dp_size,
-            tp_rank=spec.tp_rank,
-            tp_size=spec.tp_size,
-            peer=worker.peer,
-            registered_at_s=worker.registered_at_s,
-        )
+        return worker_info(worker)
 
     def view_for(self, worker: Worker) -> afd_pb2.View:
-        m = self.membership
-        view = afd_pb2.View(
-            epoch=m.epoch,
-            controller_incarnation=self.incarnation,
-            expected_attention=m.expected[ATTENTION],
-            expected_ffn=m.expected[FFN],
-            complete=m.complete,
-            sender_ranks=m.sender_ranks(),
-        )
-        for attention_rank, ffn_ranks in m.routes():
-            view.routes.add(attention_rank=attention_rank, ffn_ranks=ffn_ranks)
-        for peer in m.peers_of(worker):
-            view.peers.add(worker=self.worker_info(peer), data_plane_blob=peer.spec.data_plane_blob)
-        return view
+        return view_for(self.membership, self.incarnation, worker)
 
     def status(self) -> afd_pb2.Status:
-        m = self.membership
-        status = afd_pb2.Status(
-            health=self.health,
-            health_state=self.health,  # the enum by name
-            epoch=m.epoch,
-            controller_incarnation=self.incarnation,
-            last_step_id=self.last_step_id,
-            steps_relayed=self.steps_relayed,
-            payloads_rejected=self.payloads_rejected,
-            uptime_s=time.monotonic() - self.started_at,
-            listen=self.listen_address,
-            recent_events=list(self.recent_events),
-            loads=self.loads(),
-            ffn_groups=m.ffn_groups,
-        )
-        for role in ROLES:
-            status.roles.add(
-                role=ROLE_TO_PROTO[role], expected=m.expected[role], registered=m.count(role)
-            )
-        for tap in self.taps:
-            status.taps.add(
-                peer=tap.peer,
-                include_payloads=tap.include_payloads,
-                queued=len(tap.mailbox),
-                queue_capacity=tap.mailbox.capacity,
-                delivered=tap.mailbox.delivered,
-                last_step_id=tap.mailbox.last_step_id,
-            )
-        for session in self.sessions.values():
-            if session.worker.role == FFN:
-                status.subscribers.add(
-                    worker_id=session.worker.worker_id,
-                    queued=len(session.mailbox),
-                    last_step_id=session.mailbox.last_step_id,
-                    queue_capacity=session.mailbox.capacity,
-                )
-        return status
-
-    def metrics_snapshot(self) -> MetricsSnapshot:
-        """Call on the event loop (the scrape thread asks the loop for it)."""
-        m = self.membership
-        return MetricsSnapshot(
-            epoch=m.epoch,
-            serving=self.health == "SERVING",
-            registered={role: m.count(role) for role in ROLES},
-            expected=dict(m.expected),
-            steps_relayed=self.steps_relayed,
-            payloads_rejected=self.payloads_rejected,
-            joins=m.joins,
-            losses=m.losses,
-            last_step_id=self.last_step_id,
-            queued={s.worker.worker_id: len(s.mailbox) for s in self.sessions.values()},
-            step_histograms={
-                worker_id: (
-                    w.role,
-                    {
-                        k: dataclasses.replace(h, counts=list(h.counts))
-                        for k, h in w.histograms.items()
-                    },
-                )
-                for worker_id, w in self.step_windows.windows.items()
-            },
-            loads=self.loads(),
-        )
+        return status_of(self)
 
     def list_workers(self, role: str | None) -> list[afd_pb2.WorkerInfo]:
-        return [self.worker_info(w) for w in self.membership.workers if role in (None, w.role)]
+        return [worker_info(w) for w in self.membership.workers if role in (None, w.role)]

@@ -7,6 +7,7 @@ unit tests drive it directly. Every join and every loss bumps the epoch.
 from __future__ import annotations
 
 import time
+import unicodedata
 from dataclasses import dataclass, field
 
 from afd_ctl import routing
@@ -19,6 +20,20 @@ ATTENTION = Role.ATTENTION
 FFN = Role.FFN
 ROLES = (ATTENTION, FFN)
 MAX_WORKER_ID_CHARS = 256
+
+
+def hidden_character(text: str) -> int | None:
+    """The index of the first character of `text` that prints as nothing or as something else:
+    control characters, format characters (zero-width spaces and joiners, bidirectional marks,
+    overrides and isolates), line and paragraph separators, spaces other than U+0020,
+    surrogates, private-use and unassigned code points. None when there is none."""
+    for i, char in enumerate(text):
+        category = unicodedata.category(char)
+        if category[0] == "C" or category in ("Zl", "Zp") or (category == "Zs" and char != " "):
+            return i
+        if UNPRINTABLE.match(char):
+            return i
+    return None
 
 
 @dataclass(frozen=True)
@@ -159,11 +174,11 @@ class Membership:
             raise invalid("worker_id is empty: give every worker a stable identity")
         if len(spec.worker_id) > MAX_WORKER_ID_CHARS:
             raise invalid(f"worker_id is longer than {MAX_WORKER_ID_CHARS} characters")
-        bad = UNPRINTABLE.search(spec.worker_id)
+        bad = hidden_character(spec.worker_id)
         if bad is not None:
             raise invalid(
-                f"worker_id has a control character (U+{ord(bad.group()):04X} at index "
-                f"{bad.start()}): use printable characters only"
+                f"worker_id has a control or invisible character (U+{ord(spec.worker_id[bad]):04X} "
+                f"at index {bad}): use printable characters only, so one id cannot pass for another"
             )
         if spec.dp_size < 1 or spec.tp_size < 1:
             raise invalid(f"dp_size and tp_size must be >= 1, got {spec.dp_size}, {spec.tp_size}")

@@ -7,7 +7,9 @@ loop, so the collector asks the loop for a `MetricsSnapshot` and reads only that
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import start_http_server
 from prometheus_client.core import (
@@ -18,12 +20,54 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from afd_ctl.controller import Controller, MetricsSnapshot
+from afd_ctl.controller import Controller
 from afd_ctl.membership import ROLES
-from afd_ctl.step_window import BUCKETS_S
+from afd_ctl.step_window import BUCKETS_S, Histogram
+from afd_ctl.v1 import afd_pb2
 
 # A scrape waits this long for the event loop; a loop that busy is itself worth an error.
 SNAPSHOT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The numbers a Prometheus scrape reports, copied on the event loop in one go so that the
+    scrape thread never reads the controller's state while it changes."""
+
+    epoch: int
+    serving: bool
+    registered: dict[str, int]
+    expected: dict[str, int]
+    steps_relayed: int
+    payloads_rejected: int
+    joins: int
+    losses: int
+    last_step_id: int
+    queued: dict[str, int]
+    # Issue 26: per worker id, its role and per-phase histograms of per-step seconds.
+    step_histograms: dict[str, tuple[str, dict[str, Histogram]]] = dataclasses.field(
+        default_factory=dict
+    )
+    loads: list[afd_pb2.WorkerLoad] = dataclasses.field(default_factory=list)
+
+
+def metrics_snapshot(c: Controller) -> MetricsSnapshot:
+    """Call on the event loop (the scrape thread asks the loop for it)."""
+    m = c.membership
+    return MetricsSnapshot(
+        epoch=m.epoch,
+        serving=c.health == "SERVING",
+        registered={role: m.count(role) for role in ROLES},
+        expected=dict(m.expected),
+        steps_relayed=c.steps_relayed,
+        payloads_rejected=c.payloads_rejected,
+        joins=m.joins,
+        losses=m.losses,
+        last_step_id=c.last_step_id,
+        queued={s.worker.worker_id: len(s.mailbox) for s in c.sessions.values()},
+        step_histograms=c.timing.histograms(),
+        loads=c.timing.loads(),
+    )
 
 
 class ControllerCollector(Collector):
@@ -33,7 +77,7 @@ class ControllerCollector(Collector):
 
     def snapshot(self) -> MetricsSnapshot:
         async def take() -> MetricsSnapshot:
-            return self.controller.metrics_snapshot()
+            return metrics_snapshot(self.controller)
 
         return asyncio.run_coroutine_threadsafe(take(), self.loop).result(SNAPSHOT_TIMEOUT_S)
 

@@ -26,7 +26,7 @@ from afd_ctl.malformed import MalformedRequestInterceptor
 from afd_ctl.servicer import ControllerServicer, InspectServicer
 from afd_ctl.tls import server_credentials
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
-from afd_ctl.watch_limits import BoundedHealthServicer, WatchLimits
+from afd_ctl.watch_limits import HEALTH_WATCH, TAP, BoundedHealthServicer, WatchLimits
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,12 @@ class ControllerServer:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.controller = Controller(config)
+        # Two budgets: anonymous health Watch streams never take an operator's Tap (issue 39).
         self.watch_limits = WatchLimits(
-            config.max_watch_streams, config.max_watch_streams_per_client
+            config.max_watch_streams, config.max_watch_streams_per_client, HEALTH_WATCH
+        )
+        self.tap_limits = WatchLimits(
+            config.max_tap_streams, config.max_tap_streams_per_client, TAP
         )
         self.health = BoundedHealthServicer(self.watch_limits)
         self.address = ""
@@ -94,7 +98,7 @@ class ControllerServer:
             ControllerServicer(self.controller), server
         )
         afd_pb2_grpc.add_AFDInspectServicer_to_server(
-            InspectServicer(self.controller, self.request_stop, self.watch_limits), server
+            InspectServicer(self.controller, self.request_stop, self.tap_limits), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -19,9 +19,9 @@ from afd_ctl.logs import RateLimitedLog, clip
 from afd_ctl.mailbox import MailboxClosed
 from afd_ctl.malformed import MalformedRequest
 from afd_ctl.membership import WorkerSpec
-from afd_ctl.trace import DEFAULT_TRACE_TIMEOUT_S
+from afd_ctl.trace import DEFAULT_TRACE_TIMEOUT_S, TRACE_IDLE_S, PendingTrace
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
-from afd_ctl.watch_limits import WatchLimits, refuse
+from afd_ctl.watch_limits import TAP, WatchLimits, refuse
 from afd_ctl.wire import (
     PROTO_TO_ROLE,
     PUBLISH_SECRET_METADATA,
@@ -223,11 +223,11 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
         self,
         controller: Controller,
         request_stop: Callable[[str], int],
-        watch_limits: WatchLimits | None = None,
+        tap_limits: WatchLimits | None = None,
     ) -> None:
         self.controller = controller
         self.request_stop = request_stop
-        self.watch_limits = watch_limits or WatchLimits(1 << 30, 1 << 30)
+        self.tap_limits = tap_limits or WatchLimits(1 << 30, 1 << 30, TAP)
 
     async def GetStatus(  # noqa: N802
         self, request: afd_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
@@ -251,11 +251,11 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
         self, request: afd_pb2.TapRequest, context: grpc.aio.ServicerContext
     ) -> None:
         peer = context.peer()
-        why = self.watch_limits.acquire(peer, "Tap")
+        why = self.tap_limits.acquire(peer)
         if why is not None:
             await refuse(context, why)
             return
-        tap = self.controller.add_tap(request.include_payloads, peer)
+        tap = self.controller.taps.add(request.include_payloads, peer)
         try:
             # Headers now, not with the first event: the client can tell it is subscribed.
             await context.send_initial_metadata(())
@@ -273,8 +273,8 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
                 if event.HasField("payload"):
                     tap.mailbox.last_step_id = event.payload.step_id
         finally:
-            self.controller.remove_tap(tap)
-            self.watch_limits.release(peer)
+            self.controller.taps.remove(tap)
+            self.tap_limits.release(peer)
 
     async def Stop(  # noqa: N802
         self, request: afd_pb2.StopRequest, context: grpc.aio.ServicerContext
@@ -285,28 +285,42 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
     async def GetTimings(  # noqa: N802
         self, request: afd_pb2.GetTimingsRequest, context: grpc.aio.ServicerContext
     ) -> afd_pb2.Timings:
-        return self.controller.timings()
+        return self.controller.timing.timings()
 
     async def Trace(  # noqa: N802
         self, request: afd_pb2.TraceRequest, context: grpc.aio.ServicerContext
     ) -> afd_pb2.TraceResult:
         timeout_s = request.timeout_s if 0 < request.timeout_s <= 600 else DEFAULT_TRACE_TIMEOUT_S
-        try:
-            trace = self.controller.start_trace(request.steps)
-        except ControlError as error:
-            await abort(context, error)
-            raise  # abort raises; this line is for the type checker
-        try:
+        controller = self.controller
+        trace: PendingTrace | None = None
+        try:  # whatever happens, the trace's slot is released (issue 39)
+            try:
+                trace = controller.start_trace(request.steps)
+            except ControlError as error:
+                await abort(context, error)
+                raise  # abort raises; this line is for the type checker
             deadline = time.monotonic() + timeout_s
             while not trace.complete and time.monotonic() < deadline:
+                last = max(
+                    trace.sent_at, controller.last_payload_at, controller.timing.last_report_at
+                )
+                if time.monotonic() - last > TRACE_IDLE_S:
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"no step ran for {TRACE_IDLE_S:.0f} s after the trace was asked (none "
+                        "relayed, none reported): the pair is idle; send it requests and run "
+                        "afd-ctl trace again",
+                    )
                 await asyncio.sleep(TRACE_POLL_S)
         finally:
-            self.controller.end_trace(trace)
+            if trace is not None:
+                controller.timing.end_trace(trace)
         if not trace.answers:
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no worker sent the spans of steps {trace.first_step_id}.."
                 f"{trace.first_step_id + trace.steps - 1} within {timeout_s:.0f} s: are steps "
-                "running? (afd-ctl status shows the last step id)",
+                "running? (afd-ctl status shows the last step id)"
+                + (f"; {'; '.join(trace.problems)}" if trace.problems else ""),
             )
         return trace.result()

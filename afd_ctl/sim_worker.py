@@ -20,7 +20,6 @@ import random
 import sys
 import time
 
-from afd_ctl import payloads
 from afd_ctl.channel import DEFAULT_CONTROLLER
 from afd_ctl.client import ControllerClient
 from afd_ctl.errors import (
@@ -32,6 +31,7 @@ from afd_ctl.errors import (
 )
 from afd_ctl.membership import WorkerSpec
 from afd_ctl.routing import Role
+from afd_ctl.step import Step, StepFlags
 from afd_ctl.v1 import afd_pb2
 
 
@@ -41,7 +41,7 @@ def expected_counts(step_id: int, stage: int, dp_size: int) -> list[int]:
 
 def make_payload(step_id: int, dp_size: int, stages: int) -> afd_pb2.AFDControlPayload:
     counts = [expected_counts(step_id, stage, dp_size) for stage in range(stages)]
-    return payloads.make_payload(step_id, counts, is_warmup=step_id <= 2)
+    return Step.of(step_id, counts, flags=StepFlags(is_warmup=step_id <= 2)).to_payload()
 
 
 def modelled(args: argparse.Namespace) -> bool:

@@ -2,9 +2,13 @@
 
 A worker calls `step(...)` once per step with what it already measures; every `interval_s`
 the reporter hands one `StepTimings` (sums, plus per-step compute and wait for histograms) to
-`send`, which queues it on the Session stream without blocking (a full queue drops it). Spans
-are recorded only while the daemon has asked for a trace (`afd-ctl trace`): `tracing(step_id)`
-is one comparison when it has not, so tracing costs nothing when off.
+`send`, which queues it on the Session stream without blocking (a full queue drops it). A
+timer thread (started by the first step) also sends what is pending once the worker has been
+idle for `idle_flush_s`, so `afd-ctl status` is current within about half a second of the last
+step instead of waiting for the next one. Warm-up, profile and capture steps (`warmup=True`)
+go in reports of their own, which the daemon counts apart from serving. Spans are recorded
+only while the daemon has asked for a trace (`afd-ctl trace`): `tracing(step_id)` is one
+comparison when it has not, so tracing costs nothing when off.
 
 Times are the worker's `time.monotonic()`; the daemon aligns clocks (see `TraceStart`).
 """
@@ -15,11 +19,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from afd_ctl.step_window import MAX_STEP_ENTRIES
+from afd_ctl.report_checks import MAX_STEP_ENTRIES
 from afd_ctl.v1 import afd_pb2
 
 MAX_SPANS = 20000
 Send = Callable[[afd_pb2.SessionRequest], bool]
+# Pending steps are sent once the worker has run none for this long (the timer's check).
+IDLE_FLUSH_S = 0.25
 
 
 class StepReporter:
@@ -29,17 +35,26 @@ class StepReporter:
         *,
         layers: int = 0,
         interval_s: float = 1.0,
+        idle_flush_s: float = IDLE_FLUSH_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._send = send
         self.layers = layers
         self.interval_s = interval_s
+        self.idle_flush_s = idle_flush_s
         self.clock = clock
         self.enabled = True
+        # The exchange path the worker runs ("gpu" or "nixl"; set at each connect).
+        self.exchange_path = ""
         self.sent = 0
         self.dropped = 0
+        # The pending report; the step thread and the timer thread both take this lock.
+        self._pending_lock = threading.Lock()
         self._pending = afd_pb2.StepTimings()
         self._since = clock()
+        self._last_step_at = 0.0
+        self._timer: threading.Thread | None = None
+        self._closed = threading.Event()
         # Trace state; the session thread sets it, the step thread reads and clears it.
         self._lock = threading.Lock()
         self._trace: afd_pb2.TraceSpans | None = None
@@ -58,42 +73,84 @@ class StepReporter:
         tokens: int = 0,
         nbytes: int = 0,
         wall_s: float | None = None,
+        warmup: bool = False,
     ) -> None:
-        """One finished step. `wall_s` defaults to compute + wait + send."""
+        """One finished step. `wall_s` defaults to compute + wait + send. `warmup`: a warm-up,
+        profile or CUDA-graph capture step (the payload's is_warmup, is_profile or
+        is_graph_capturing), reported apart from serving steps."""
         if not self.enabled:
             return
-        p = self._pending
-        if p.steps == 0:
-            p.first_step_id = step_id
-        p.last_step_id = step_id
-        p.steps += 1
-        p.busy_wall_s += wall_s if wall_s is not None else compute_s + wait_s + send_s
-        p.compute_s += compute_s
-        p.wait_s += wait_s
-        p.send_s += send_s
-        p.tokens += tokens
-        p.bytes += nbytes
-        if len(p.step_compute_s) < MAX_STEP_ENTRIES:
-            p.step_compute_s.append(compute_s)
-            p.step_wait_s.append(wait_s)
-            p.step_tokens.append(tokens)
+        with self._pending_lock:
+            now = self.clock()
+            p = self._pending
+            if p.steps and p.warmup != warmup:  # warm-up and serving never share a report
+                self._flush_locked(now)
+                p = self._pending
+            if p.steps == 0:
+                p.first_step_id = step_id
+                p.warmup = warmup
+            p.last_step_id = step_id
+            p.steps += 1
+            p.busy_wall_s += wall_s if wall_s is not None else compute_s + wait_s + send_s
+            p.compute_s += compute_s
+            p.wait_s += wait_s
+            p.send_s += send_s
+            p.tokens += tokens
+            p.bytes += nbytes
+            if len(p.step_compute_s) < MAX_STEP_ENTRIES:
+                p.step_compute_s.append(compute_s)
+                p.step_wait_s.append(wait_s)
+                p.step_tokens.append(tokens)
+            self._last_step_at = now
+            if now - self._since >= self.interval_s:
+                self._flush_locked(now)
         if self._trace_end and step_id >= self._trace_end - 1:
             self._finish_trace(step_id)
-        now = self.clock()
-        if now - self._since >= self.interval_s:
-            self.flush(now)
+        if self._timer is None:
+            self._start_timer()
 
     def flush(self, now: float | None = None) -> None:
+        with self._pending_lock:
+            self._flush_locked(now)
+
+    def _flush_locked(self, now: float | None = None) -> None:
         p = self._pending
         self._since = self.clock() if now is None else now
         if p.steps == 0:
             return
         p.layers = self.layers
+        p.exchange_path = self.exchange_path
         if self._send(afd_pb2.SessionRequest(timings=p)):
             self.sent += 1
         else:
             self.dropped += 1
         self._pending = afd_pb2.StepTimings()
+
+    # -- the timer thread ----------------------------------------------------------------
+    def _start_timer(self) -> None:
+        with self._pending_lock:
+            if self._timer is not None or self._closed.is_set():
+                return
+            self._timer = threading.Thread(
+                target=self._flush_when_idle, name="afd-step-reporter", daemon=True
+            )
+        self._timer.start()
+
+    def _flush_when_idle(self) -> None:
+        tick = max(0.01, min(self.idle_flush_s, self.interval_s) / 2)
+        while not self._closed.wait(tick):
+            with self._pending_lock:
+                if not self._pending.steps:
+                    continue
+                now = self.clock()
+                idle = now - self._last_step_at >= self.idle_flush_s
+                if idle or now - self._since >= self.interval_s:
+                    self._flush_locked(now)
+
+    def close(self) -> None:
+        """Sends what is pending and stops the timer."""
+        self._closed.set()
+        self.flush()
 
     # -- tracing -------------------------------------------------------------------------
     def tracing(self, step_id: int) -> bool:

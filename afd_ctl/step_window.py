@@ -1,9 +1,12 @@
 """Each worker's rolling window of per-step timing reports (issue 26), free of gRPC.
 
 Workers send `StepTimings` aggregates about once a second on their Session. The daemon keeps
-the last `window_reports` of them per worker, refuses reports that come too fast or too large
-(counted, never an error: reporting is optional), and derives each worker's load from the
-window: utilisation (compute over busy wall time) and its share of waiting.
+the last `window_reports` serving reports per worker, bounded in bytes per worker and in total
+(issue 39: a window never makes `GetTimings` exceed gRPC's message limit), refuses reports
+that come too fast or say what cannot be (afd_ctl/report_checks.py; counted, with the last
+reason, never an error: reporting is optional), counts warm-up steps apart, and derives each
+worker's load from the window: utilisation (compute over busy wall time) and its share of
+waiting.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from afd_ctl.report_checks import MAX_REPORT_BYTES, checked_report
 from afd_ctl.v1 import afd_pb2
 
 WINDOW_REPORTS = 64
@@ -19,7 +23,10 @@ WINDOW_REPORTS = 64
 # sent a second apart can arrive together); more are dropped.
 MAX_REPORTS_PER_S = 20.0
 REPORT_BURST = 10.0
-MAX_STEP_ENTRIES = 256
+# What all windows together may hold; over it, the largest window gives up its oldest reports.
+# Far below the 64 MiB gRPC message limit of GetTimings, which returns every window.
+MAX_TOTAL_BYTES = 32 << 20
+MAX_WORKER_BYTES = WINDOW_REPORTS * MAX_REPORT_BYTES
 # Histogram bucket bounds (seconds) for per-step compute and wait times.
 BUCKETS_S = (
     0.0001,
@@ -65,27 +72,18 @@ class WorkerWindow:
         default_factory=lambda: deque(maxlen=WINDOW_REPORTS)
     )
     dropped: int = 0
+    last_refusal: str = ""
+    # Warm-up, profile and capture steps, kept out of the window.
+    warmup_steps: int = 0
+    warmup_compute_s: float = 0.0
+    exchange_path: str = ""  # of its latest report
+    nbytes: int = 0
     # Token bucket of the rate bound: reports it may take now, and when it was last filled.
     allowance: float = REPORT_BURST
     filled_at: float = 0.0
     histograms: dict[str, Histogram] = field(
         default_factory=lambda: {phase: Histogram() for phase in PHASES}
     )
-
-
-def refusal(report: afd_pb2.StepTimings) -> str:
-    """Why a report is not taken, or ""."""
-    if report.steps == 0:
-        return "no steps"
-    if (
-        max(len(report.step_compute_s), len(report.step_wait_s), len(report.step_tokens))
-        > MAX_STEP_ENTRIES
-    ):
-        return f"more than {MAX_STEP_ENTRIES} per-step entries"
-    figures = (report.busy_wall_s, report.compute_s, report.wait_s, report.send_s)
-    if any(not (0.0 <= x < 1e7) for x in figures):  # NaN fails too
-        return "a negative, huge or NaN time"
-    return ""
 
 
 def load_of(window: WorkerWindow, role_proto: afd_pb2.Role) -> afd_pb2.WorkerLoad:
@@ -111,15 +109,74 @@ def load_of(window: WorkerWindow, role_proto: afd_pb2.Role) -> afd_pb2.WorkerLoa
         bytes_per_step=sum(r.bytes for r in reports) * per_step,
         layers=reports[-1].layers if reports else 0,
         reports_dropped=window.dropped,
+        warmup_steps=window.warmup_steps,
+        warmup_compute_s=window.warmup_compute_s,
+        last_refusal=window.last_refusal,
+        exchange_path=window.exchange_path,
     )
 
 
 class StepWindows:
     """Per-worker windows keyed by worker id; a worker's window goes when its session ends."""
 
-    def __init__(self, window_reports: int = WINDOW_REPORTS) -> None:
+    def __init__(
+        self, window_reports: int = WINDOW_REPORTS, max_total_bytes: int = MAX_TOTAL_BYTES
+    ) -> None:
         self.window_reports = window_reports
+        self.max_total_bytes = max_total_bytes
         self.windows: dict[str, WorkerWindow] = {}
+        self.nbytes = 0
+
+    def window(self, worker_id: str, role: str, role_rank: int) -> WorkerWindow:
+        window = self.windows.get(worker_id)
+        if window is None or window.role != role or window.role_rank != role_rank:
+            self.forget(worker_id)
+            window = WorkerWindow(worker_id, role, role_rank, deque(maxlen=self.window_reports))
+            self.windows[worker_id] = window
+        return window
+
+    def admit(self, window: WorkerWindow, now: float | None = None) -> bool:
+        """The rate bound: whether one more report of `window`'s worker may be taken now."""
+        now = time.monotonic() if now is None else now
+        if window.filled_at:
+            refill = (now - window.filled_at) * MAX_REPORTS_PER_S
+            window.allowance = min(REPORT_BURST, window.allowance + refill)
+        window.filled_at = now
+        if window.allowance < 1.0:
+            self.refuse(window, f"more than {MAX_REPORTS_PER_S:g} reports a second")
+            return False
+        window.allowance -= 1.0
+        return True
+
+    def refuse(self, window: WorkerWindow, why: str) -> None:
+        window.dropped += 1
+        window.last_refusal = why
+
+    def add(self, window: WorkerWindow, report: afd_pb2.StepTimings) -> None:
+        """Takes a checked report: warm-up steps are counted apart, the rest kept."""
+        window.exchange_path = report.exchange_path or window.exchange_path
+        if report.warmup:
+            window.warmup_steps += report.steps
+            window.warmup_compute_s += report.compute_s
+            return
+        size = report.ByteSize()
+        if len(window.reports) == window.reports.maxlen:
+            self._drop_oldest(window)
+        window.reports.append(report)
+        window.nbytes += size
+        self.nbytes += size
+        for phase, values in (("compute", report.step_compute_s), ("wait", report.step_wait_s)):
+            for value in values:
+                window.histograms[phase].observe(value)
+        while window.nbytes > MAX_WORKER_BYTES:
+            self._drop_oldest(window)
+        while self.nbytes > self.max_total_bytes:
+            self._drop_oldest(max(self.windows.values(), key=lambda w: w.nbytes))
+
+    def _drop_oldest(self, window: WorkerWindow) -> None:
+        size = window.reports.popleft().ByteSize()
+        window.nbytes -= size
+        self.nbytes -= size
 
     def record(
         self,
@@ -129,25 +186,19 @@ class StepWindows:
         report: afd_pb2.StepTimings,
         now: float | None = None,
     ) -> bool:
-        """Takes one report; False (and counted) when it is refused."""
-        now = time.monotonic() if now is None else now
-        window = self.windows.get(worker_id)
-        if window is None or window.role != role or window.role_rank != role_rank:
-            window = WorkerWindow(worker_id, role, role_rank, deque(maxlen=self.window_reports))
-            self.windows[worker_id] = window
-        if window.filled_at:
-            refill = (now - window.filled_at) * MAX_REPORTS_PER_S
-            window.allowance = min(REPORT_BURST, window.allowance + refill)
-        window.filled_at = now
-        if refusal(report) or window.allowance < 1.0:
-            window.dropped += 1
+        """Takes one report (checked with nothing known of the worker); False (and counted)
+        when it is refused."""
+        window = self.window(worker_id, role, role_rank)
+        if not self.admit(window, now):
             return False
-        window.allowance -= 1.0
-        window.reports.append(report)
-        for phase, values in (("compute", report.step_compute_s), ("wait", report.step_wait_s)):
-            for value in values:
-                window.histograms[phase].observe(value)
+        clean, why = checked_report(report)
+        if clean is None:
+            self.refuse(window, why)
+            return False
+        self.add(window, clean)
         return True
 
     def forget(self, worker_id: str) -> None:
-        self.windows.pop(worker_id, None)
+        window = self.windows.pop(worker_id, None)
+        if window is not None:
+            self.nbytes -= window.nbytes

@@ -17,13 +17,25 @@ per worker, "X" complete events in microseconds on the daemon's clock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from afd_ctl.logs import UNPRINTABLE, clip
 from afd_ctl.v1 import afd_pb2
 
 MAX_TRACE_STEPS = 1000
 DEFAULT_TRACE_TIMEOUT_S = 30.0
+# An idle pair: no step relayed or reported for this long since the trace was asked.
+TRACE_IDLE_S = 5.0
+# Spans kept per worker (what a reporter sends at most) and over all workers of one trace, so a
+# TraceResult stays far below gRPC's 64 MiB message limit.
+MAX_SPANS_PER_WORKER = 20000
+MAX_SPANS_TOTAL = 500_000
+MAX_SPAN_NAME_CHARS = 32
+# A span must lie within this of the trace's window on the daemon's clock (TraceStart sent ..
+# answer received): further out is a broken clock, not a step of this trace.
+SPAN_SLACK_S = 60.0
 PHASES = {"B", "E", "X", "i", "I", "M", "C"}
 # Timestamps are rounded to 1 ns; spans that abut may then overlap by that much.
 EPS_US = 0.01
@@ -46,39 +58,91 @@ class PendingTrace:
     sent_at: float  # t0, daemon monotonic
     asked: dict[str, afd_pb2.WorkerInfo]
     answers: dict[str, afd_pb2.WorkerTrace] = field(default_factory=dict)
+    # Asked workers whose session ended before they answered, and what was refused (lines).
+    gone: set[str] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+    spans_kept: int = 0
 
     @property
     def complete(self) -> bool:
-        return len(self.answers) == len(self.asked)
+        return len(self.answers) + len(self.gone - set(self.answers)) >= len(self.asked)
+
+    def left(self, worker_id: str) -> None:
+        if worker_id in self.asked and worker_id not in self.answers:
+            self.gone.add(worker_id)
+            self.problems.append(f"{worker_id}: its session ended before it answered")
 
     def take(self, worker_id: str, spans: afd_pb2.TraceSpans, received_at: float) -> bool:
         if spans.trace_id != self.trace_id or worker_id not in self.asked:
             return False
-        offset, error = align(
-            self.sent_at, spans.worker_received_s, spans.worker_sent_s, received_at
-        )
+        if worker_id in self.answers or worker_id in self.gone:
+            return False
+        t1, t2 = spans.worker_received_s, spans.worker_sent_s
+        if not (math.isfinite(t1) and math.isfinite(t2)) or t2 < t1:
+            self.problems.append(
+                f"{worker_id}: clock readings received {t1!r}, sent {t2!r} are not finite or "
+                "out of order; its spans are left out"
+            )
+            self.gone.add(worker_id)
+            return False
+        offset, error = align(self.sent_at, t1, t2, received_at)
         answer = afd_pb2.WorkerTrace(offset_s=offset, offset_error_s=error)
         answer.worker.CopyFrom(self.asked[worker_id])
+        earliest, latest = self.sent_at - SPAN_SLACK_S, received_at + SPAN_SLACK_S
+        refused, first_why = 0, ""
+        room = min(MAX_SPANS_PER_WORKER, MAX_SPANS_TOTAL - self.spans_kept)
         for span in spans.spans:
-            if self.first_step_id <= span.step_id < self.first_step_id + self.steps:
-                answer.spans.add(
-                    name=span.name,
-                    step_id=span.step_id,
-                    start_s=span.start_s + offset,
-                    end_s=span.end_s + offset,
-                    layer=span.layer,
-                )
+            if not self.first_step_id <= span.step_id < self.first_step_id + self.steps:
+                continue
+            start, end = span.start_s + offset, span.end_s + offset
+            why = span_refusal(span, start, end, earliest, latest)
+            if not why and len(answer.spans) >= room:
+                why = f"more than {room} spans"
+            if why:
+                refused += 1
+                first_why = first_why or why
+                continue
+            answer.spans.add(
+                name=span.name, step_id=span.step_id, start_s=start, end_s=end, layer=span.layer
+            )
+        if refused:
+            self.problems.append(f"{worker_id}: {refused} span(s) left out, the first: {first_why}")
+        self.spans_kept += len(answer.spans)
         self.answers[worker_id] = answer
         return True
 
     def result(self) -> afd_pb2.TraceResult:
-        result = afd_pb2.TraceResult(first_step_id=self.first_step_id, steps=self.steps)
+        result = afd_pb2.TraceResult(
+            first_step_id=self.first_step_id, steps=self.steps, problems=self.problems
+        )
         for worker_id in sorted(self.asked):
             if worker_id in self.answers:
                 result.workers.append(self.answers[worker_id])
             else:
                 result.missing.append(worker_id)
         return result
+
+
+def span_refusal(
+    span: afd_pb2.TraceSpan, start: float, end: float, earliest: float, latest: float
+) -> str:
+    """Why one span is left out of a trace ("" when kept): `start` and `end` are its times on
+    the daemon's clock, which must lie within [earliest, latest]."""
+    if not span.name or len(span.name) > MAX_SPAN_NAME_CHARS or UNPRINTABLE.search(span.name):
+        return f"name {clip(span.name, MAX_SPAN_NAME_CHARS)!r} is not a span name"
+    if not (math.isfinite(start) and math.isfinite(end)):
+        return f"{span.name} of step {span.step_id} has a time that is not finite"
+    if end < start:
+        return f"{span.name} of step {span.step_id} ends before it starts"
+    if start < earliest or end > latest:
+        return (
+            f"{span.name} of step {span.step_id} lies {max(earliest - start, end - latest):.3g} s "
+            f"outside the trace's window on the daemon's clock (more than {SPAN_SLACK_S:g} s "
+            "from it): the worker's clock readings are wrong"
+        )
+    if not -1 <= span.layer <= 1 << 16:
+        return f"{span.name} of step {span.step_id} has layer {span.layer}"
+    return ""
 
 
 def to_chrome(result: afd_pb2.TraceResult) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from afd_ctl.errors import ControlError, invalid
 from afd_ctl.membership import Worker
+from afd_ctl.report_checks import MAX_STEP_ID
 from afd_ctl.v1 import afd_pb2
 
 MAX_STAGES = 2
@@ -52,12 +53,13 @@ def validate_payload(
             f"attention rank {sender.role_rank} is {sender.last_step_id}",
             "STEP_NOT_INCREASING",
         )
-    if payload.records_only and not payload.is_graph_capturing:
+    if payload.step_id > MAX_STEP_ID:
         raise invalid(
-            "records_only is set without is_graph_capturing; it marks a FULL-graph capture "
-            "step (set both, or neither)",
-            "INVALID_FLAGS",
+            f"step_id {payload.step_id} is above 2^62; step ids count steps from 1 (restart "
+            "the attention worker to start again)",
+            "STEP_ID_OUT_OF_RANGE",
         )
+    _validate_flags(payload)
     stages = payload.stages
     if len(stages) > MAX_STAGES:
         raise invalid_stages(
@@ -75,6 +77,28 @@ def validate_payload(
         raise invalid_stages(f"stages keys {sorted(stages)} skip stage 0")
     for index in sorted(stages):
         _validate_stage(index, stages[index], attention_dp_size)
+
+
+def _validate_flags(payload: afd_pb2.AFDControlPayload) -> None:
+    """Flags that cannot hold together: the FFN side would not know what to do."""
+    if payload.records_only and not payload.is_graph_capturing:
+        raise invalid(
+            "records_only is set without is_graph_capturing; it marks a FULL-graph capture "
+            "step (set both, or neither)",
+            "INVALID_FLAGS",
+        )
+    if payload.is_graph_capturing and payload.is_graph_replaying:
+        raise invalid(
+            "is_graph_capturing and is_graph_replaying are both set; a step captures a CUDA "
+            "graph or replays one, not both",
+            "INVALID_FLAGS",
+        )
+    if payload.records_only and payload.is_profile:
+        raise invalid(
+            "records_only is set with is_profile; a profile run captures no graph (records_only "
+            "marks a FULL-graph capture step)",
+            "INVALID_FLAGS",
+        )
 
 
 def _validate_stage(index: int, meta: afd_pb2.DPMetadata, dp_size: int) -> None:

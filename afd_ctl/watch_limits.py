@@ -3,8 +3,10 @@
 A health Watch needs no token (load balancers probe health bare), so anyone who reaches the
 port could open streams until the daemon runs out of memory; each costs the daemon about
 20 KiB while open. They are counted per client host and in total, and one over either bound
-is refused with RESOURCE_EXHAUSTED saying which. When many have closed, the daemon hands the
-freed heap back to the operating system (glibc keeps it otherwise).
+is refused with RESOURCE_EXHAUSTED saying which. Taps (`afd-ctl watch`) need the token when
+the daemon has one, and have a budget of their own (issue 39): anonymous health Watch streams,
+however many, never lock an operator out. When many have closed, the daemon hands the freed
+heap back to the operating system (glibc keeps it otherwise).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ctypes
 import ctypes.util
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -46,12 +49,35 @@ def _malloc_trim() -> Any:
         return None
 
 
-class WatchLimits:
-    """Open watch streams per client host and in total (plain Python, on the event loop)."""
+@dataclass(frozen=True)
+class StreamKind:
+    """What a budget counts, for its refusals: the stream's name, its two flags, a way out."""
 
-    def __init__(self, total: int, per_client: int) -> None:
+    name: str
+    total_flag: str
+    per_client_flag: str
+    instead: str
+
+
+HEALTH_WATCH = StreamKind(
+    "health Watch",
+    "--max-watch-streams",
+    "--max-watch-streams-per-client",
+    "close some, or poll Health/Check instead",
+)
+TAP = StreamKind(
+    "Tap", "--max-tap-streams", "--max-tap-streams-per-client", "close some (afd-ctl watch)"
+)
+
+
+class WatchLimits:
+    """Open streams of one kind per client host and in total (plain Python, on the event
+    loop). Each kind has its own: health Watch streams and Taps never share a budget."""
+
+    def __init__(self, total: int, per_client: int, kind: StreamKind = HEALTH_WATCH) -> None:
         self.total = total
         self.per_client = per_client
+        self.kind = kind
         self._open: Counter[str] = Counter()
         self._closed_since_trim = 0
         self._trim = _malloc_trim()
@@ -62,18 +88,19 @@ class WatchLimits:
     def open(self) -> int:
         return sum(self._open.values())
 
-    def acquire(self, peer: str, what: str) -> str | None:
+    def acquire(self, peer: str) -> str | None:
         """Counts a new stream from `peer`; or, over a bound, returns why it is refused."""
         host = client_host(peer)
+        kind = self.kind
         if self._open[host] >= self.per_client:
             return (
-                f"too many open {what} streams from {host}: {self.per_client} "
-                "(--max-watch-streams-per-client); close some, or poll Health/Check instead"
+                f"too many open {kind.name} streams from {host}: {self.per_client} "
+                f"({kind.per_client_flag}); {kind.instead}"
             )
         if self.open >= self.total:
             return (
-                f"too many open watch streams on this daemon: {self.total} "
-                "(--max-watch-streams); close some, or poll Health/Check instead"
+                f"too many open {kind.name} streams on this daemon: {self.total} "
+                f"({kind.total_flag}); {kind.instead}"
             )
         self._open[host] += 1
         return None
@@ -122,7 +149,7 @@ class BoundedHealthServicer(health.aio.HealthServicer):
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> None:
         peer = context.peer()
-        why = self.limits.acquire(peer, "health Watch")
+        why = self.limits.acquire(peer)
         if why is not None:
             await refuse(context, why)
             return

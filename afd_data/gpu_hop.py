@@ -8,10 +8,10 @@ capture whole decode steps in CUDA graphs and the FFN side can enqueue a whole s
 It lives beside the worker's NixlTransport and uses its buffer, layout and peers: the NIXL path
 stays connected (the rendezvous, membership and epochs are the transport's), and the path is
 chosen per worker at connect (`gpu_protocol.choose_path`: same host and both buffers exportable;
-AFD_DATA_GPU_HOP=off turns it off). A GPU wait cannot time out by itself, so the host watches:
-`drain` waits for a step's end event and, once a peer is lost or the bound passes, writes POISON
-into every flag this side's stream waits on until the stream has drained (the step then fails
-on the host and its outputs are never used).
+AFD_DATA_GPU_HOP=off turns it off). A GPU wait cannot time out by itself, so the host watches
+(vllm_ext.exchange.gpu_watchdog): once a peer is lost or a step passes its bound, it calls
+`poison` until the stream has drained (the step then fails on the host and its outputs are
+never used).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from afd_data.blob import PeerBlob
 from afd_data.config import TransportConfig
 from afd_data.cuda_driver import CudaDriverError, driver
 from afd_data.gpu_protocol import (
+    GPU,
+    NIXL,
     POISON,
     AttentionPeer,
     Compute,
@@ -38,7 +40,8 @@ from afd_data.gpu_protocol import (
     PathChoice,
     Wait,
     Write,
-    attention_ops,
+    attention_send_ops,
+    attention_take_ops,
     choose_path,
     epoch_tag,
     ffn_ops,
@@ -49,10 +52,6 @@ from afd_data.layout import BufferLayout
 from afd_data.partial_sums import sum_partials
 
 logger = logging.getLogger(__name__)
-
-POISON_EVERY_S = 200e-6
-# After the poison: a stream that still has not drained waits on something nothing releases.
-POISONED_DRAIN_S = 10.0
 
 
 @dataclasses.dataclass
@@ -69,7 +68,7 @@ class _Mapped:
 
 
 class GpuHop:
-    """One worker's GPU-driven hop; `path` is "gpu" once `connect` chose it."""
+    """One worker's GPU-driven hop; `path` is GPU once `connect` chose it."""
 
     def __init__(
         self, role: Role, rank: int, config: TransportConfig, layout: BufferLayout, local: Any
@@ -83,7 +82,7 @@ class GpuHop:
         self.base: int = local.base
         self.flag_layout: FlagLayout = local.flags
         self.endpoint = local.gpu_endpoint
-        self.choice = PathChoice("nixl", "not connected")
+        self.choice = PathChoice(NIXL, "not connected")
         self.epoch = 0
         self._peers: dict[int, _Mapped] = {}
         self._ffn_positions = 0  # attention: FFN peers connected
@@ -110,9 +109,9 @@ class GpuHop:
         setting = gpu_hop_setting()
         choices = {b.role_rank: choose_path(self.endpoint, b.gpu, setting) for _, b in peers}
         what = f"{self.role.label} rank {self.rank}"
-        self.choice = one_path(choices, what) if choices else PathChoice("nixl", "no peers")
+        self.choice = one_path(choices, what) if choices else PathChoice(NIXL, "no peers")
         self.epoch = epoch
-        if self.path != "gpu":
+        if self.path != GPU:
             self._close_mappings()
             return self.choice
         cuda = driver()
@@ -206,8 +205,13 @@ class GpuHop:
         row_bytes = self._router_row if loc.area.endswith("router") else self._hidden_row
         return base + region.offset + loc.row * row_bytes
 
-    def _run(self, ops: list[Op], stream: int, inputs: dict[str, int],
-             compute: Callable[[], Any] | None = None) -> Any:  # fmt: skip
+    def _run(
+        self,
+        ops: list[Op],
+        stream: int,
+        inputs: dict[str, int],
+        compute: Callable[[], Any] | None = None,
+    ) -> Any:
         cuda = driver()
         out = None
         for op in ops:
@@ -237,11 +241,9 @@ class GpuHop:
         return view
 
     # -- attention side ---------------------------------------------------------------------
-    def exchange(
-        self, layer: int, stage: int, hidden: Any, router: Any, out: Any, stream: int
-    ) -> None:
-        """One layer's round trip on `stream`, enqueued (or captured) without a host wait:
-        `hidden` (rows, hidden_size) out, the FFN peers' outputs summed into `out`."""
+    def send(self, layer: int, stage: int, hidden: Any, router: Any, stream: int) -> None:
+        """The send half of one layer's round trip on `stream`, enqueued (or captured) without
+        a host wait: `hidden` (rows, hidden_size) into the send slot, the peers' flags raised."""
         rows = int(hidden.shape[0])
         if rows > self.config.max_tokens_per_peer:
             raise ValueError(
@@ -254,19 +256,31 @@ class GpuHop:
         if self._router_row:
             router = router.reshape(rows, -1).contiguous()
             inputs["router"] = int(router.data_ptr())
-        ops = attention_ops(self.rank, slot, rows, self._ffn_positions, bool(self._router_row))
+        ops = attention_send_ops(self.rank, slot, rows, self._ffn_positions, bool(self._router_row))
         self._run(ops, stream, inputs)
+
+    def take(self, layer: int, stage: int, out: Any, stream: int) -> None:
+        """The take half on `stream`: wait for every FFN peer's output of this layer and stage
+        and sum them into `out` (rows, hidden_size)."""
+        rows = int(out.shape[0])
+        slot = self.layout.slot(layer, stage)
+        self._run(attention_take_ops(self.rank, slot, self._ffn_positions), stream, {})
         cfg = self.config
-        target = out.view(rows, -1)
         outputs = [
             self._view(self.layout.recv_output[slot][pos].offset, rows, cfg.hidden_size, cfg.dtype)
             for pos in range(self._ffn_positions)
         ]
-        sum_partials(target, outputs)  # float32, rounded once (issue 23)
+        sum_partials(out.view(rows, -1), outputs)  # float32, rounded once (issue 23)
 
     # -- FFN side ---------------------------------------------------------------------------
-    def ffn_layer(self, layer: int, stage: int, slices: Sequence[Any], stream: int,
-                  compute: Callable[[Any, Any], Any]) -> None:  # fmt: skip
+    def ffn_layer(
+        self,
+        layer: int,
+        stage: int,
+        slices: Sequence[Any],
+        stream: int,
+        compute: Callable[[Any, Any], Any],
+    ) -> None:
         """One layer and stage on `stream`: the attention peers' rows in (`slices`: the step
         plan's PeerSlice per peer), `compute(x, router)`, each peer its output slice back."""
         slot = self.layout.slot(layer, stage)
@@ -310,38 +324,6 @@ class GpuHop:
                 cuda.memset32(self._side, first, POISON, fl.num_slots * fl.num_ffn_peers)
             except CudaDriverError as exc:
                 logger.warning("GPU hop: poisoning attention rank %d: %s", peer.rank, exc)
-
-    def drain(
-        self, done: Callable[[], bool], bound_s: float, lost: Callable[[], str | None]
-    ) -> str | None:
-        """Waits until `done()` (the step's end event has passed). Once `lost()` names a loss
-        or `bound_s` passes, poisons the flags until the stream drains and returns why (the
-        step failed); None when the step ran to its end."""
-        deadline = time.monotonic() + bound_s
-        why: str | None = None
-        next_poison = 0.0
-        spin_until = time.monotonic() + 100e-6
-        while not done():
-            now = time.monotonic()
-            if why is None:
-                loss = lost()
-                if loss is not None:
-                    why = f"afd peer lost: {loss}"
-                elif now > deadline:
-                    why = f"the GPU-driven exchange did not finish within {bound_s:.1f} s"
-                if why is not None:
-                    deadline = now + POISONED_DRAIN_S
-            elif now > deadline:
-                raise RuntimeError(
-                    f"GPU hop: the stream did not drain {POISONED_DRAIN_S:.0f} s after its flags "
-                    f"were poisoned ({why}); the CUDA context may be unusable"
-                )
-            if why is not None and now >= next_poison:
-                self.poison()
-                next_poison = now + POISON_EVERY_S
-            if now > spin_until:
-                time.sleep(20e-6)
-        return why
 
     def close(self) -> None:
         self._close_mappings()

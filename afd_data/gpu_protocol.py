@@ -39,6 +39,8 @@ from collections.abc import Sequence
 
 READY = 1
 POISON = 0x7FFF_FFFF
+# The two exchange paths a worker can run (PathChoice.path).
+GPU, NIXL = "gpu", "nixl"
 # AFD_DATA_GPU_HOP: "auto" (the GPU path between peers on one host whose buffers are CUDA
 # memory), "off" (always NIXL).
 GPU_HOP_SETTINGS = ("auto", "off")
@@ -120,18 +122,32 @@ class FlagLayout:
         ]
 
 
-def attention_ops(rank: int, slot: int, rows: int, ffn_peers: int, router: bool) -> list[Op]:
-    """One (layer, stage) on attention rank `rank`: send `rows` rows (from "input") to its
-    `ffn_peers` FFN peers, then wait for each one's output. Everything is its own memory."""
+def attention_send_ops(rank: int, slot: int, rows: int, ffn_peers: int, router: bool) -> list[Op]:
+    """The send half of one (layer, stage) on attention rank `rank`: its `rows` rows (from
+    "input") into its send slot, then a "hidden ready" flag per FFN peer."""
     me = ("attention", rank)
     ops: list[Op] = [Copy(Loc(*me, "send_hidden", (slot,)), Loc(*me, "input"), rows)]
     if router:
         ops.append(Copy(Loc(*me, "send_router", (slot,)), Loc(*me, "input"), rows, router=True))
     ops += [Write(Loc(*me, "hidden_ready", (slot, p)), READY) for p in range(ffn_peers)]
+    return ops
+
+
+def attention_take_ops(rank: int, slot: int, ffn_peers: int) -> list[Op]:
+    """The take half: wait for each FFN peer's "output ready" flag and reset it."""
+    ops: list[Op] = []
     for p in range(ffn_peers):
-        flag = Loc(*me, "output_ready", (slot, p))
+        flag = Loc("attention", rank, "output_ready", (slot, p))
         ops += [Wait(flag), Write(flag, 0, barrier=False)]
     return ops
+
+
+def attention_ops(rank: int, slot: int, rows: int, ffn_peers: int, router: bool) -> list[Op]:
+    """One (layer, stage) on attention rank `rank`: send `rows` rows (from "input") to its
+    `ffn_peers` FFN peers, then wait for each one's output. Everything is its own memory."""
+    return attention_send_ops(rank, slot, rows, ffn_peers, router) + attention_take_ops(
+        rank, slot, ffn_peers
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +171,30 @@ def ffn_ops(
         ready = Loc("attention", a.rank, "hidden_ready", (slot, a.my_pos))
         ops += [Wait(ready), Write(ready, 0, barrier=False)]
         ops.append(
-            Copy(Loc(*me, "recv_hidden", (slot,), a.start), Loc("attention", a.rank, "send_hidden", (slot,)), a.rows)
-        )  # fmt: skip
+            Copy(
+                Loc(*me, "recv_hidden", (slot,), a.start),
+                Loc("attention", a.rank, "send_hidden", (slot,)),
+                a.rows,
+            )
+        )
         if router:
             ops.append(
-                Copy(Loc(*me, "recv_router", (slot,), a.start), Loc("attention", a.rank, "send_router", (slot,)), a.rows, router=True)
-            )  # fmt: skip
+                Copy(
+                    Loc(*me, "recv_router", (slot,), a.start),
+                    Loc("attention", a.rank, "send_router", (slot,)),
+                    a.rows,
+                    router=True,
+                )
+            )
     ops.append(Compute(layer, stage))
     for a in peers:
         ops.append(
-            Copy(Loc("attention", a.rank, "recv_output", (slot, a.my_pos)), Loc(*me, "out", (), a.start), a.rows)
-        )  # fmt: skip
+            Copy(
+                Loc("attention", a.rank, "recv_output", (slot, a.my_pos)),
+                Loc(*me, "out", (), a.start),
+                a.rows,
+            )
+        )
         ops.append(Write(Loc("attention", a.rank, "output_ready", (slot, a.my_pos)), READY))
     return ops
 
@@ -191,8 +220,13 @@ class GpuEndpoint:
 
 @dataclasses.dataclass(frozen=True)
 class PathChoice:
-    path: str  # "gpu" or "nixl"
+    path: str  # GPU or NIXL
     reason: str
+
+    @property
+    def label(self) -> str:
+        """How the log names the path."""
+        return {GPU: "GPU-driven", NIXL: "host-driven NIXL"}[self.path]
 
 
 def gpu_hop_setting() -> str:
@@ -207,13 +241,13 @@ def gpu_hop_setting() -> str:
 def choose_path(mine: GpuEndpoint | None, theirs: GpuEndpoint | None, setting: str) -> PathChoice:
     """The path between two workers, from both blobs alone, so both sides decide alike."""
     if setting == "off":
-        return PathChoice("nixl", "AFD_DATA_GPU_HOP=off")
+        return PathChoice(NIXL, "AFD_DATA_GPU_HOP=off")
     if mine is None or theirs is None:
         who = "this worker" if mine is None else "the peer"
-        return PathChoice("nixl", f"{who} has no CUDA IPC buffer (host memory, or not exportable)")
+        return PathChoice(NIXL, f"{who} has no CUDA IPC buffer (host memory, or not exportable)")
     if mine.host_id != theirs.host_id:
-        return PathChoice("nixl", "the peer is on another host")
-    return PathChoice("gpu", "same host, CUDA IPC")
+        return PathChoice(NIXL, "the peer is on another host")
+    return PathChoice(GPU, "same host, CUDA IPC")
 
 
 def one_path(choices: dict[int, PathChoice], what: str) -> PathChoice:
@@ -223,8 +257,8 @@ def one_path(choices: dict[int, PathChoice], what: str) -> PathChoice:
     if len(paths) > 1:
         by_path = {p: sorted(r for r, c in choices.items() if c.path == p) for p in paths}
         raise ValueError(
-            f"{what}: its peers need different paths (GPU-driven to ranks {by_path['gpu']}, "
-            f"NIXL to ranks {by_path['nixl']}); put every peer of a worker on one host, or "
+            f"{what}: its peers need different paths (GPU-driven to ranks {by_path[GPU]}, "
+            f"NIXL to ranks {by_path[NIXL]}); put every peer of a worker on one host, or "
             "set AFD_DATA_GPU_HOP=off on every worker"
         )
     return next(iter(choices.values()))

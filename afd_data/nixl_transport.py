@@ -50,15 +50,18 @@ role's calls refuse. The parts live in ``agent`` (NIXL agent, registered buffer)
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from afd_ctl.routing import Role
+from afd_ctl.step import Step
 from afd_data import credits
-from afd_data.agent import NIXL_ERRORS
+from afd_data.agent import NIXL_ERRORS, LocalAgent
+from afd_data.blob import PeerBlob
 from afd_data.config import TransportConfig
 from afd_data.endpoints import HiddenBatch, endpoint_for
 from afd_data.errors import AfdBadInput, AfdDataError, AfdPeerLost, AfdStaleEpoch
+from afd_data.layout import BufferLayout
 from afd_data.memory import Array
 from afd_data.peers import PeerSpec, validate_peers
 from afd_data.poll import tighten_timer_slack
@@ -118,6 +121,21 @@ class NixlTransport:
     @property
     def step_id(self) -> int | None:
         return self._p.credits.step
+
+    @property
+    def layout(self) -> BufferLayout:
+        """Where each slot lives in the registered buffer."""
+        return self._p.layout
+
+    @property
+    def local(self) -> LocalAgent:
+        """This worker's NIXL agent and registered buffer (the GPU hop uses its memory)."""
+        return self._p.local
+
+    def peer_blobs(self) -> list[tuple[int, PeerBlob]]:
+        """The connected peers' decoded blobs, each with its position in this worker's peer
+        list (rank order)."""
+        return [(peer.pos, peer.blob) for peer in self._p.peers.peers]
 
     @property
     def lost(self) -> AfdPeerLost | None:
@@ -190,18 +208,13 @@ class NixlTransport:
 
     # ------------------------------------------------------------------ steps
 
-    def begin_step(
-        self,
-        step_id: int,
-        num_tokens_across_dp: Sequence[Sequence[int]] | Mapping[int, Sequence[int]],
-        *,
-        epoch: int | None = None,
-    ) -> None:
-        """Sizes this step from the payload's DP metadata: per stage, one token count per
-        attention DP rank. Nothing is registered or allocated."""
+    def begin_step(self, step: Step) -> None:
+        """Sizes this step from its token counts (per stage, one per attention DP rank) and
+        checks its epoch. Nothing is registered or allocated."""
         p = self._p
         p.check_ready()
         current = p.inbox.epoch
+        step_id, epoch = step.step_id, step.epoch
         if epoch is not None and epoch != current:
             if epoch < (current or 0):
                 raise AfdStaleEpoch(
@@ -213,7 +226,7 @@ class NixlTransport:
                 f"at epoch {current}: reconnect() with the new view first"
             )
         credits.check_next_step(p.credits, step_id, current)
-        counts = validate_counts(self.config, num_tokens_across_dp)
+        counts = validate_counts(self.config, step.counts)
         for peer in p.peers.peers:
             if len(counts) > peer.stages:
                 raise AfdBadInput(

@@ -51,8 +51,16 @@ class Peer:
     """A connected peer: its agent, prepared remote descriptors, and cached transfer handles."""
 
     __slots__ = (
-        "spec", "blob", "pos", "agent_name", "label", "stages", "table", "dlist", "handles",
-    )  # fmt: skip
+        "spec",
+        "blob",
+        "pos",
+        "agent_name",
+        "label",
+        "stages",
+        "table",
+        "dlist",
+        "handles",
+    )
 
     def __init__(self, spec: PeerSpec, blob: PeerBlob, pos: int, label: str):
         self.spec = spec

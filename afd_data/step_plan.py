@@ -10,7 +10,7 @@ rows of the peers packed before it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from afd_ctl.routing import Role, peer_ranks
 from afd_data.config import TransportConfig
@@ -44,16 +44,9 @@ class StepPlan:
     rows_by_rank: list[dict[int, int]] = dataclasses.field(default_factory=list)
 
 
-def validate_counts(
-    config: TransportConfig, value: Sequence[Sequence[int]] | Mapping[int, Sequence[int]]
-) -> list[list[int]]:
-    """Checks ``num_tokens_across_dp`` per stage (a list, or the payload's {stage: counts}
-    map) against the registered buffers; AfdBadInput names the offending entry."""
-    if isinstance(value, Mapping):
-        keys = sorted(value)
-        if keys != list(range(len(keys))):
-            raise AfdBadInput(f"num_tokens_across_dp: stage keys {keys} are not 0..n-1")
-        value = [value[k] for k in keys]
+def validate_counts(config: TransportConfig, value: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Checks ``num_tokens_across_dp`` per stage (a `Step`'s counts) against the registered
+    buffers; AfdBadInput names the offending entry."""
     stages = list(value)
     if not 1 <= len(stages) <= config.num_stages:
         raise AfdBadInput(

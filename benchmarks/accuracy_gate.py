@@ -7,7 +7,7 @@ Per model (tiny DeepSeek-V2, -V3, Qwen3-MoE; float32, one OpenMP thread):
   same continuation; its statistics against the reference are the envelope;
 - cases, all eager: AFD 1 attention : 1 FFN, AFD 1 : 2 FFN (experts split across the two FFN
   servers, partial outputs summed by the attention side), and AFD 1:1 with a fault injected on
-  the FFN side (AFD_TEST_FAULT: two rows of one layer's output swapped), which must fail.
+  the FFN side (vllm_ext.testing.faults: two rows of one layer's output swapped), which must fail.
 
     python benchmarks/accuracy_gate.py [--models 2,3,qwen3] [--prompts 32] [--tokens 64]
         [--out benchmarks/results/DATE_cpu-2core_accuracy_gate.json]
@@ -29,8 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing import accuracy_gate as gate  # noqa: E402
+from vllm_ext.testing.processes import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import ffn_argv, vllm_env  # noqa: E402
 
 # The faults, at layer 1 (an MoE layer in every tiny model; DeepSeek's layer 0 is dense): two
@@ -87,11 +87,11 @@ def _accuracy_run(model: Path, out: Path, log: Path, *args: str) -> dict[str, An
 
 
 def afd_run(
-    model: Path, work: Path, name: str, reference: Path, ffns: int = 1,
-    ffn_env: dict[str, str] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """afd-ctl, `ffns` FFN servers (experts split when 2) and the attention side as an
-    accuracy_run scoring the reference's continuation."""
+    model: Path, work: Path, name: str, reference: Path, ffns: int = 1, fault: str = ""
+) -> dict[str, Any]:
+    """afd-ctl, `ffns` FFN servers (experts split when 2; `fault`: the FFN side corrupts its
+    output as vllm_ext.testing.faults says) and the attention side as an accuracy_run scoring
+    the reference's continuation."""
     procs: list[Proc] = []
     try:
         daemon = Daemon(work / f"{name}-daemon.log", "--expect-attention", "1",
@@ -100,7 +100,9 @@ def afd_run(
         for rank in range(ffns):
             extra = ["--additional-config", json.dumps({"afd": {"ffn_rank": rank}})]
             argv = ffn_argv(model, daemon.address, *(extra if ffns > 1 else []))
-            procs.append(Proc(argv, work / f"{name}-ffn{rank}.log", vllm_env(ffn_env)))
+            if fault:  # the same flags, to the test-only entry point that injects the fault
+                argv = [sys.executable, "-m", "vllm_ext.testing.faults", fault, *argv[2:]]
+            procs.append(Proc(argv, work / f"{name}-ffn{rank}.log", vllm_env()))
         out = work / f"{name}.json"
         return _accuracy_run(model, out, work / f"{name}-attention.log", "--reference",
                              str(reference), "--afd-controller", daemon.address)  # fmt: skip
@@ -127,15 +129,15 @@ def gate_model(
     timings["colocated_compiled"] = time.monotonic() - t
     envelope = gate.compare(reference, compiled)
     runs: dict[str, tuple[dict[str, Any], str]] = {}
-    plan: list[tuple[str, int, dict[str, str] | None, str]] = [
-        ("afd_1to1_eager", 1, None, "pass"),
-        ("afd_1to2_experts_split_eager", 2, None, "pass"),
+    plan: list[tuple[str, int, str, str]] = [
+        ("afd_1to1_eager", 1, "", "pass"),
+        ("afd_1to2_experts_split_eager", 2, "", "pass"),
     ]
     for spec in faults:
-        plan.append((f"afd_1to1_eager_fault_{spec}", 1, {"AFD_TEST_FAULT": spec}, "fail"))
-    for name, ffns, env, expected in plan:
+        plan.append((f"afd_1to1_eager_fault_{spec}", 1, spec, "fail"))
+    for name, ffns, fault, expected in plan:
         t = time.monotonic()
-        runs[name] = (afd_run(model, work, name, ref_path, ffns, env), expected)
+        runs[name] = (afd_run(model, work, name, ref_path, ffns, fault), expected)
         timings[name] = time.monotonic() - t
     cases = []
     for name, (run, expected) in runs.items():

@@ -52,10 +52,12 @@ def sleep_until(deadline_ns: int) -> None:
 
 
 def payload_for(step: int):
-    from afd_ctl.payloads import make_payload
     from afd_ctl.sim_worker import expected_counts
+    from afd_ctl.step import Step
 
-    return make_payload(step, [expected_counts(step, stage, ATTENTION_DP) for stage in range(2)])
+    return Step.of(
+        step, [expected_counts(step, stage, ATTENTION_DP) for stage in range(2)]
+    ).to_payload()
 
 
 def payload_json(step: int) -> bytes:

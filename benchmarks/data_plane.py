@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from afd_ctl.step import Step
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -346,7 +348,7 @@ def serve(args: argparse.Namespace) -> None:
         elif cmd["phase"] == "afd_breakdown":  # recv_hidden returned, send_output returned
             stamps = []
             for step in range(cmd["first_step"], cmd["first_step"] + cmd["steps"]):
-                t.begin_step(step, [[cmd["rows"]]])
+                t.begin_step(Step.of(step, [[cmd["rows"]]]))
                 for layer in range(cmd["layers"]):
                     batch = t.recv_hidden(layer, 0)
                     seen = time.monotonic_ns()
@@ -371,7 +373,7 @@ def serve(args: argparse.Namespace) -> None:
 def serve_afd(t: Any, bufs: Buffers, cmd: dict[str, Any]) -> None:
     """The FFN side of afd_rt: per layer, receive, (echo,) send the output back."""
     for step in range(cmd["first_step"], cmd["first_step"] + cmd["steps"]):
-        t.begin_step(step, [[cmd["rows"]]])
+        t.begin_step(Step.of(step, [[cmd["rows"]]]))
         for layer in range(cmd["layers"]):
             batch = t.recv_hidden(layer, 0)
             out = t.output_buffer(layer, 0)
@@ -515,7 +517,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def afd_loop(rows: int, layers: int, steps: int, data: Any, times: list[float]) -> bool:
             ok = True
             for _ in range(steps):
-                t.begin_step(step[0], [[rows]])
+                t.begin_step(Step.of(step[0], [[rows]]))
                 step[0] += 1
                 for layer in range(layers):
                     hidden, _ = t.hidden_buffer(layer, 0)
@@ -579,7 +581,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             mine = []
             for _ in range(steps):
-                t.begin_step(step[0], [[tokens]])
+                t.begin_step(Step.of(step[0], [[tokens]]))
                 step[0] += 1
                 for layer in range(LAYERS_PER_STEP):
                     hidden, _ = t.hidden_buffer(layer, 0)

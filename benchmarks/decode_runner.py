@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -177,17 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # already steps, and tokenizing each on the way staggers their first tokens (seen on an
     # H200 at batch 256: decode tokens/s 12% below batch / TPOT).
     tokenizer = llm.get_tokenizer()
-    prompts = {
-        b: [
-            {
-                "prompt_token_ids": tokenizer.encode(
-                    DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" {i}"
-                )
-            }
-            for i in range(b)
-        ]
-        for b in batches
-    }
+    prompts = {b: [{"prompt_token_ids": prompt_ids(tokenizer, i, args)} for i in range(b)]
+               for b in batches}  # fmt: skip
 
     def generate(batch: int, n: int) -> tuple[list[Any], float]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
@@ -204,37 +197,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mlp: dict[int, list[float]] = {b: [] for b in batches}
     tokens: dict[int, list[list[int]]] = {}
     same_tokens = True
-    for r in range(args.repeats):
-        for b in batches:
-            what = f"batch {b}, repeat {r}"
-            generate(b, SETTLE_TOKENS)  # the timed run never follows another batch size directly
-            x0 = exchange_totals()
-            before = counters.snapshot()
-            if timers is not None:
-                timers.steps.clear()
-            outs, wall = generate(b, args.tokens)
-            refuse_late_events(late_events(before, counters.snapshot()), what)
-            timings = request_timings(outs)
-            stagger_ms = 1e3 * (max(t.first_token_s for t in timings)
-                                - min(t.first_token_s for t in timings))  # fmt: skip
-            print(f"{what}: wall {wall:.3f} s, first tokens within {stagger_ms:.1f} ms",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            runs[b].append(decode_run(timings, args.tokens, wall, what))
-            print(f"{what}: TPOT {1e3 * runs[b][-1].tpot_s:.3f} ms, "
-                  f"{runs[b][-1].tokens_per_s:.1f} decode tokens/s", file=sys.stderr, flush=True)  # fmt: skip
-            if timers is not None:
-                mlp[b].append(statistics.median(timers.steps))
-            ids = [list(o.outputs[0].token_ids) for o in outs]
-            same_tokens = same_tokens and tokens.get(b, ids) == ids
-            tokens[b] = ids
-            if afd:  # the exchange per decode step: the N-token run less a 1-token run
-                xn = tuple(a - c for a, c in zip(exchange_totals(), x0, strict=True))
-                x1_start = exchange_totals()
-                generate(b, 1)
-                x1 = tuple(a - c for a, c in zip(exchange_totals(), x1_start, strict=True))
-                exchange[b].append(
-                    tuple((n - one) / (args.tokens - 1) for n, one in zip(xn, x1, strict=True))
-                )
+
+    def timed(b: int, r: int) -> DecodeRun:
+        """One timed repeat of batch `b`, right after an untimed settle run of the same batch."""
+        nonlocal same_tokens
+        what = f"batch {b}, repeat {r}"
+        generate(b, SETTLE_TOKENS)  # the timed run never follows another batch size directly
+        x0 = exchange_totals()
+        before = counters.snapshot()
+        if timers is not None:
+            timers.steps.clear()
+        outs, wall = generate(b, args.tokens)
+        refuse_late_events(late_events(before, counters.snapshot()), what)
+        timings = request_timings(outs)
+        stagger_ms = 1e3 * (max(t.first_token_s for t in timings)
+                            - min(t.first_token_s for t in timings))  # fmt: skip
+        print(f"{what}: wall {wall:.3f} s, first tokens within {stagger_ms:.1f} ms",
+              file=sys.stderr, flush=True)  # fmt: skip
+        run = decode_run(timings, args.tokens, wall, what)
+        runs[b].append(run)
+        print(f"{what}: TPOT {1e3 * run.tpot_s:.3f} ms, {run.tokens_per_s:.1f} decode tokens/s",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if timers is not None:
+            mlp[b].append(statistics.median(timers.steps))
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        same_tokens = same_tokens and tokens.get(b, ids) == ids
+        tokens[b] = ids
+        if afd:  # the exchange per decode step: the N-token run less a 1-token run
+            xn = tuple(a - c for a, c in zip(exchange_totals(), x0, strict=True))
+            x1_start = exchange_totals()
+            generate(b, 1)
+            x1 = tuple(a - c for a, c in zip(exchange_totals(), x1_start, strict=True))
+            exchange[b].append(
+                tuple((n - one) / (args.tokens - 1) for n, one in zip(xn, x1, strict=True))
+            )
+        return run
+
+    if args.lockstep:
+        lockstep(timed)
+    else:
+        for r in range(args.repeats):
+            for b in batches:
+                timed(b, r)
 
     report: dict[str, Any] = {
         "batches": {},
@@ -246,11 +250,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
     report["cudagraph_mode_effective"] = getattr(mode, "name", str(mode))
     gpu_driven = afd and bool(llm.collective_rpc("afd_stats")[0].get("gpu_driven"))
+    # In lockstep the driver interleaves the parts and reports intervals: no spread refusal.
+    bound = math.inf if args.lockstep else args.spread_bound
     for b in batches:
-        tpot = bounded_spread([1e3 * x.tpot_s for x in runs[b]], args.spread_bound,
-                              f"batch {b}: TPOT (ms)")  # fmt: skip
-        tps = bounded_spread([x.tokens_per_s for x in runs[b]], args.spread_bound,
-                             f"batch {b}: decode tokens/s")  # fmt: skip
+        if not runs[b]:
+            continue
+        tpot = bounded_spread([1e3 * x.tpot_s for x in runs[b]], bound, f"batch {b}: TPOT (ms)")
+        tps = bounded_spread(
+            [x.tokens_per_s for x in runs[b]], bound, f"batch {b}: decode tokens/s"
+        )
         row: dict[str, Any] = {
             "tpot_ms": tpot.as_dict(4),
             "decode_tokens_per_s": tps.as_dict(1),
@@ -276,6 +284,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def prompt_ids(tokenizer: Any, i: int, args: argparse.Namespace) -> list[int]:
+    """Request i's prompt: with --prompt-tokens N, N random token ids of its own (every request
+    distinct, every prompt the same length, so the prefill shapes of a batch size repeat);
+    else a text prompt."""
+    if not args.prompt_tokens:
+        return list(tokenizer.encode(DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" {i}"))
+    rng = random.Random(1000 + i)
+    vocab = len(tokenizer)
+    return [rng.randrange(16, vocab - 1) for _ in range(args.prompt_tokens)]
+
+
+def lockstep(timed: Any) -> None:
+    """A driver (benchmarks/interleave.py) runs this engine's timed repeats one at a time,
+    interleaved with other engines': after the warm-ups it says {"ready": true}, then each
+    stdin line {"batch": B, "repeat": R} runs one timed repeat and answers {"run": {...}}, and
+    {"done": true} ends the loop (the report follows as usual)."""
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("done"):
+            return
+        run = timed(int(command["batch"]), int(command["repeat"]))
+        print(json.dumps({"run": {"batch": command["batch"], "tpot_ms": 1e3 * run.tpot_s,
+                                  "tokens_per_s": run.tokens_per_s}}), flush=True)  # fmt: skip
+    raise BenchmarkRefused("the driver closed stdin without saying done")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -288,6 +323,12 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="no CPU environment settings")
     parser.add_argument("--mlp-timers", action="store_true", help="CPU: time the MLP modules")
     parser.add_argument("--spread-bound", type=float, required=True)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="distinct random prompts of this many tokens (default: text)")  # fmt: skip
+    parser.add_argument(
+        "--lockstep", action="store_true",
+        help="timed repeats one at a time, as a driver on stdin says (benchmarks/interleave.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     try:
         report = run(args)

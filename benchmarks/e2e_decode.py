@@ -93,7 +93,7 @@ from benchmarks.timing_stats import (  # noqa: E402
     added_per_layer_us,
     ratio,
 )
-from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
+from vllm_ext.testing.processes import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import ffn_argv, vllm_env  # noqa: E402
 from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek  # noqa: E402
 
@@ -521,7 +521,11 @@ def cpu_run(args: argparse.Namespace) -> dict[str, Any]:
     afd_row, colo_row = afd["batches"][b], colo["batches"][b]
     afd_tpot, colo_tpot = (Spread.of(r["tpot_ms_repeats"]) for r in (afd_row, colo_row))
     r = ratio(afd_tpot, colo_tpot)
-    exchange = afd.get("afd_exchange", {})
+    # The attention side's exchange per layer over decode steps only (the runner's N-token run
+    # less a 1-token run), not its whole-run counters, which count warm-up and prefills too.
+    per_layer = 1e3 / max(1e-9, float(afd_row.get("exchanges_per_step", 0.0)))
+    post_us = per_layer * float(afd_row.get("exchange_post_ms_per_step", 0.0))
+    wait_us = per_layer * float(afd_row.get("exchange_wait_ms_per_step", 0.0))
     ffn_send = float(ffn_stats.get("send_ms_median", 0.0))
     # Medians over the FFN server's last 1000 steps: a typical decode step (the means also
     # count the memory-profiling run and the prefills).
@@ -548,12 +552,10 @@ def cpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "afd_exchange_overhead_ms_per_step": round(afd_row["mlp_ms_per_step"] - ffn_compute, 3),
         "ffn_steps_served": ffn_stats.get("steps"),
         "colocated_mlp_us_per_layer": round(1e3 * colo_row["mlp_ms_per_step"] / layers, 1),
-        "attention_post_us_per_layer": round(exchange.get("post_us_per_layer", 0.0), 1),
+        "attention_post_us_per_layer": round(post_us, 1),
         "ffn_compute_us_per_layer": round(1e3 * ffn_compute / layers, 1),
         "ffn_post_us_per_layer": round(1e3 * ffn_send / layers, 1),
-        "hops_us_per_layer": round(
-            exchange.get("wait_us_per_layer", 0.0) - 1e3 * (ffn_compute + ffn_send) / layers, 1
-        ),
+        "hops_us_per_layer": round(wait_us - 1e3 * (ffn_compute + ffn_send) / layers, 1),
         "late_events_checked": afd.get("late_events_checked", []),
         "wall_s": round(time.monotonic() - started, 1),
     }
@@ -597,7 +599,47 @@ def main() -> None:
         help="AFD's two servers share cuda:0 (a check of the path on a one-GPU machine, not a "
         "deployment: its figures are not the two-GPU comparison)",
     )  # fmt: skip
+    il = parser.add_argument_group(
+        "interleaved (both engines up at once; benchmarks/e2e_interleaved.py)"
+    )
+    il.add_argument(
+        "--interleave",
+        action="store_true",
+        help="colocated and AFD up at once, their repeats alternating per batch",
+    )
+    il.add_argument("--depths", default="", help="model layers per run (GPU default 2,4; CPU 4)")
+    il.add_argument(
+        "--interval-bound",
+        type=float,
+        default=0.25,
+        help="refuse a ratio whose 95%% interval is wider than this share of it",
+    )
+    il.add_argument("--prompt-tokens", type=int, default=128, help="GPU: each prompt's length")
+    il.add_argument(
+        "--colocated-memory",
+        type=float,
+        default=0.45,
+        help="GPU: --gpu-memory-utilization of the colocated engine",
+    )
+    il.add_argument("--kv-cache-bytes", type=int, default=8 << 30, help="GPU: each engine's KV")
+    il.add_argument("--start-timeout", type=float, default=420.0)
+    il.add_argument("--run-timeout", type=float, default=120.0, help="seconds for one repeat")
+    il.add_argument(
+        "--one-depth-per-call",
+        action="store_true",
+        help="run at most one depth missing from --state, then summarise",
+    )
     args = parser.parse_args()
+    if args.interleave:
+        from benchmarks import e2e_interleaved
+
+        if args.quick:
+            args.tokens, args.repeats = args.tokens or 32, 3
+        args.tokens = args.tokens or (256 if args.gpu else 64)
+        args.depths = args.depths or ("2,4" if args.gpu else "4")
+        if not args.gpu:
+            args.batches = str(args.batch)
+        sys.exit(e2e_interleaved.main(args))
     if args.gpu:
         args.tokens = args.tokens or 256
         main_gpu(args)

@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from afd_ctl.step import Step  # noqa: E402
 from afd_data.partial_sums import sum_partials  # noqa: E402
 from benchmarks import data_plane as dp  # noqa: E402
 from benchmarks import timing_stats as ts  # noqa: E402
@@ -170,7 +171,7 @@ class Pair:
     def round_trips(self, rows: int, layers: int) -> list[float]:
         """`layers` round trips of `rows` rows each way in one step (µs each)."""
         self.child.send({"phase": "afd", "rows": rows, "layers": layers, "steps": 1, "echo": False, "first_step": self.step})  # fmt: skip  # noqa: E501
-        self.t.begin_step(self.step, [[rows]])
+        self.t.begin_step(Step.of(self.step, [[rows]]))
         self.step += 1
         times = []
         for layer in range(layers):

@@ -4,8 +4,8 @@ cuda:0 with --one-gpu), each with its real NixlTransport and GpuHop, connected a
 rendezvous would connect them (blobs exchanged as base64 JSON lines on the child's stdin and
 stdout). The FFN side's "compute" is x * 2, so every output row is checked.
 
-- host-synced: the attention host enqueues one round trip and waits for its step's end
-  (GpuPath.end_step, as the vLLM attention worker does per step): p50/p99;
+- host-synced: the attention host enqueues one round trip and waits for it (an event's
+  synchronize): p50/p99;
 - graph: `--layers` round trips captured in one CUDA graph on the attention side (as vLLM's
   FULL decode graph holds them), replayed `--replays` times, timed with CUDA events; the FFN
   side replays one graph of every layer too (as the vLLM FFN server launches a step;
@@ -36,14 +36,21 @@ sys.path.insert(0, str(ROOT))
 
 def _transport(role: str, device: str, args: argparse.Namespace) -> Any:
     from afd_data import NixlTransport, TransportConfig
-    from vllm_ext.exchange.gpu import GpuPath
+    from afd_data.gpu_hop import GpuHop
 
     config = TransportConfig(
         hidden_size=args.hidden, max_tokens_per_peer=args.rows, dtype="bfloat16",
         num_attention=1, num_ffn=1, recv_timeout_s=30.0,
     )  # fmt: skip
     transport = NixlTransport(f"hop-{role}-{time.time_ns()}", role, 0, config, device=device)
-    return transport, GpuPath(transport)
+    hop = GpuHop(transport.role, 0, config, transport.layout, transport.local)
+    return transport, hop
+
+
+def _stream() -> int:
+    import torch
+
+    return int(torch.cuda.current_stream().cuda_stream)
 
 
 def ffn_main(args: argparse.Namespace) -> None:
@@ -55,29 +62,30 @@ def ffn_main(args: argparse.Namespace) -> None:
     print(json.dumps({"blob": base64.b64encode(transport.blob()).decode()}), flush=True)
     peer = json.loads(sys.stdin.readline())
     transport.connect(1, [("attention", 0, 0, base64.b64decode(peer["blob"]))])
-    gpu.connect(1, 60.0)
-    plan = gpu.plan([[args.rows]])
+    gpu.connect(1, transport.peer_blobs(), 60.0)
+    from afd_data.step_plan import plan_step
+
+    slices = plan_step(transport.config, transport.role, 0, [[args.rows]]).slices[0]
     host_synced = args.iters + args.warmup
     total = host_synced + (args.replays + 1) * args.layers
+
+    def layer(i: int) -> None:
+        gpu.ffn_layer(i % args.layers, 0, slices, _stream(), lambda x, r: x * 2)
+
     with torch.inference_mode():
         for i in range(host_synced):  # one layer at a time, enqueued from the host
-            gpu.run_layer(i % args.layers, 0, plan, lambda x, r: x * 2)
-            if i % 256 == 255:
-                gpu.step_enqueued(i, 120.0)
+            layer(i)
         if args.ffn_graph:  # as the vLLM FFN server runs a step: one graph of every layer
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for k in range(args.layers):
-                    gpu.run_layer((host_synced + k) % args.layers, 0, plan, lambda x, r: x * 2)
+                    layer(host_synced + k)
             for _ in range(args.replays + 1):
                 graph.replay()
         else:
             for i in range(host_synced, total):
-                gpu.run_layer(i % args.layers, 0, plan, lambda x, r: x * 2)
-        gpu.step_enqueued(total, 120.0)
-        while gpu._inflight:
-            gpu.check()
-            time.sleep(0.001)
+                layer(i)
+        torch.cuda.synchronize()
     print(json.dumps({"ffn_done": total, "ffn_graph": args.ffn_graph}), flush=True)
     gpu.close()
     transport.close()
@@ -111,10 +119,10 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
         child.stdin.write(json.dumps({"blob": base64.b64encode(transport.blob()).decode()}) + "\n")
         child.stdin.flush()
         transport.connect(1, [("ffn", 0, 0, base64.b64decode(hello["blob"]))])
-        gpu.connect(1, 60.0)
+        gpu.connect(1, transport.peer_blobs(), 60.0)
         result: dict[str, Any] = {
             "benchmark": "gpu_driven_hop",
-            "path": gpu.hop.path,
+            "path": gpu.path,
             "gpus": 1 if args.one_gpu else 2,
             "mps": args.mps,
             "rows": args.rows,
@@ -127,8 +135,11 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
         with torch.inference_mode():
             for i in range(args.warmup + args.iters):
                 t0 = time.perf_counter()
-                gpu.exchange(i % args.layers, 0, hidden, None, out)
-                gpu.end_step(30.0)
+                gpu.send(i % args.layers, 0, hidden, None, _stream())
+                gpu.take(i % args.layers, 0, out, _stream())
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
                 if i >= args.warmup:
                     samples.append((time.perf_counter() - t0) * 1e6)
             ok = bool(torch.equal(out, hidden * 2))
@@ -141,7 +152,8 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
             start = args.warmup + args.iters
             with torch.cuda.graph(graph):
                 for layer in range(args.layers):
-                    gpu.exchange((start + layer) % args.layers, 0, hidden, None, out)
+                    gpu.send((start + layer) % args.layers, 0, hidden, None, _stream())
+                    gpu.take((start + layer) % args.layers, 0, out, _stream())
             per_rt = []
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(args.replays + 1):

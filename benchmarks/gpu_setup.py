@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.procs import Proc
+from vllm_ext.testing.processes import Proc
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -59,7 +59,7 @@ from benchmarks.timing_stats import (  # noqa: E402
     check_serve_run,
     ratio,
 )
-from tests.procs import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
+from vllm_ext.testing.processes import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     ffn_argv,
     free_port,

@@ -18,6 +18,7 @@ The last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -30,9 +31,25 @@ import torch
 
 from afd_ctl.client import ControllerClient, WorkerSpec
 from afd_ctl.errors import AfdError
+from afd_ctl.routing import Role
+from afd_ctl.step import Step
 from afd_ctl.step_reporter import StepReporter
-from vllm_ext.exchange.nixl import AttentionExchange, FfnExchange, StepShape
+from vllm_ext.exchange.data_plane import DataPlane
+from vllm_ext.exchange.factory import attention_exchanges, ffn_exchanges
 from vllm_ext.exchange.timing import ExchangeTimings
+
+
+class Doubler:
+    """The FFN's compute here: each layer doubles its rows (an FFN engine's interface)."""
+
+    def __init__(self, layers: int) -> None:
+        self.num_layers = layers
+
+    def step_scope(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def forward_layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
 
 
 def reporter_cost_us(n: int = 20000) -> float:
@@ -92,18 +109,19 @@ def main() -> None:
     sizes = dict(
         num_attention=1, num_ffn=1, hidden_size=args.hidden, max_tokens=args.rows, timeout_s=10.0
     )
-    common: dict = dict(rank=0, dtype=torch.float32, router=(0, "float32"), **sizes)
-    attn_ex, ffn_ex = AttentionExchange(name="attn", **common), FfnExchange(name="ffn", **common)
+    common: dict = dict(rank=0, dtype=torch.float32, router=(0, "float32"), device="cpu", **sizes)
+    attn_x = attention_exchanges(DataPlane(Role.ATTENTION, name="attn", **common))
+    ffn_x = ffn_exchanges(DataPlane(Role.FFN, name="ffn", **common), Doubler(args.layers), False)
     attn = ControllerClient(
-        address, WorkerSpec("attn-0", "ATTENTION"), data_plane_blob=attn_ex.blob()
+        address, WorkerSpec("attn-0", "ATTENTION"), data_plane_blob=attn_x.plane.blob()
     )
-    ffn = ControllerClient(address, WorkerSpec("ffn-0", "FFN"), data_plane_blob=ffn_ex.blob())
+    ffn = ControllerClient(address, WorkerSpec("ffn-0", "FFN"), data_plane_blob=ffn_x.plane.blob())
     stop = threading.Event()
     try:
         for client in (attn, ffn):
             client.connect(10)
-        for client, ex in ((attn, attn_ex), (ffn, ffn_ex)):
-            ex.connect(client.wait_complete(10))
+        attn_ex = attn_x.connect(attn.wait_complete(10))
+        ffn_ex = ffn_x.connect(ffn.wait_complete(10))
         epoch = attn.view.epoch
 
         def serve() -> None:
@@ -111,11 +129,7 @@ def main() -> None:
             try:
                 while not stop.is_set():
                     step += 1
-                    ffn_ex.begin_step(StepShape(step, {0: [args.rows]}, epoch))
-                    for layer in range(args.layers):
-                        x, _ = ffn_ex.recv(layer, 0)
-                        ffn_ex.send(layer, 0, x * 2)
-                    ffn_ex.end_step()
+                    ffn_ex.run_step(Step.of(step, [[args.rows]], epoch=epoch))
             except AfdError:
                 if not stop.is_set():
                     raise  # its peer's loss at the end is only the end of the run
@@ -126,15 +140,17 @@ def main() -> None:
         medians: dict[bool, list[float]] = {True: [], False: []}
         for i in range(2 * args.rounds + 2):  # the first two blocks warm up
             on = i % 2 == 0
-            attn_ex.timings = ExchangeTimings(attn.timings) if on else None
-            ffn_ex.timings = ExchangeTimings(ffn.timings) if on else None
+            attn_x.reporting.timings = ExchangeTimings(attn.timings) if on else None
+            ffn_x.reporting.timings = ExchangeTimings(ffn.timings) if on else None
             times = []
+            out = torch.empty_like(hidden)
             for _ in range(args.steps):
                 step += 1
                 t0 = time.perf_counter()
-                attn_ex.begin_step(StepShape(step, {0: [args.rows]}, epoch))
+                attn_ex.begin_step(Step.of(step, [[args.rows]]))
                 for layer in range(args.layers):
-                    attn_ex.exchange(layer, 0, hidden)
+                    attn_ex.post(layer, 0, hidden, None)
+                    attn_ex.take(layer, 0, out)
                 attn_ex.end_step()
                 times.append(time.perf_counter() - t0)
             if i >= 2:
@@ -166,8 +182,8 @@ def main() -> None:
         stop.set()
         for client in (attn, ffn):
             client.close()
-        for ex in (attn_ex, ffn_ex):
-            ex.close()
+        for x in (attn_x, ffn_x):
+            x.close()
         daemon.terminate()
         daemon.wait(10)
 

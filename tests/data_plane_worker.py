@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from afd_ctl.client import ControllerClient  # noqa: E402
 from afd_ctl.errors import AfdPeerLost  # noqa: E402  (covers the data plane's too)
 from afd_ctl.membership import WorkerSpec  # noqa: E402
-from afd_ctl.payloads import make_payload, stage_counts  # noqa: E402
+from afd_ctl.step import Step  # noqa: E402
 from afd_data import NixlTransport, Role, TransportConfig  # noqa: E402
 from afd_data.rendezvous import join, rejoin  # noqa: E402
 
@@ -130,9 +130,9 @@ def run_attention(
             args.seed, step, args.stages, cfg.attention_dp_size, cfg.max_tokens_per_peer
         )
         # The sender sizes its own buffers from the payload first, then publishes it.
-        t.begin_step(step, counts, epoch=t.epoch)
+        t.begin_step(Step.of(step, counts, epoch=t.epoch))
         if client.is_sender:
-            client.publish(make_payload(step, counts))
+            client.publish(Step.of(step, counts).to_payload())
         rows = [max(1, counts[s][dp]) for s in range(args.stages)]
         sent: dict[tuple[int, int], np.ndarray] = {}
         # Run `depth` layers ahead: send layer l, then take the output of layer l - depth + 1.
@@ -198,13 +198,13 @@ def run_ffn(
     for i in range(steps):
         step = first_step + i
         payload = client.next_payload(args.timeout)
-        counts = stage_counts(payload)
+        counts = Step.from_payload(payload).counts
         want = step_counts(
             args.seed, step, args.stages, cfg.attention_dp_size, cfg.max_tokens_per_peer
         )
-        if payload.step_id != step or [counts[s] for s in range(args.stages)] != want:
+        if payload.step_id != step or [list(counts[s]) for s in range(args.stages)] != want:
             raise Mismatch(f"payload step {payload.step_id} {counts}, expected step {step} {want}")
-        t.begin_step(payload.step_id, counts, epoch=payload.epoch)
+        t.begin_step(Step.of(payload.step_id, counts, epoch=payload.epoch))
         for layer in range(args.layers):
             for s in range(args.stages):
                 batch = t.recv_hidden(layer, s, timeout_s=args.timeout)

@@ -73,7 +73,7 @@ class Turns:
 
 
 def one_stage(session, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    from vllm_ext.attention.steps import StepFlags
+    from afd_ctl.step import StepFlags
 
     rows = inputs[0].shape[0]
     session.steps.open_step(rows, None, StepFlags())
@@ -89,7 +89,7 @@ def two_stages(
 ) -> tuple[list[torch.Tensor], list[tuple[int, str]]]:
     """Both micro-batches through the session; `oversize_layer`: micro-batch 1 sends more
     rows than the step announced at that layer (the data plane refuses them)."""
-    from vllm_ext.attention.steps import StepFlags
+    from afd_ctl.step import StepFlags
 
     rows = inputs[0].shape[0]
     parts = [[x[:split] for x in inputs], [x[split:] for x in inputs]]

@@ -230,3 +230,37 @@ def test_data_plane_figures_that_cannot_be_right_are_refused() -> None:
         check_figures({**good, "rt_1p75MiB_p50_us": 0.0})
     with pytest.raises(BenchmarkRefused, match="beats the copy floor"):
         check_figures({**good, "bw_256MiB_GBps": 480.0, "ratio_bw_vs_floor": 1.5})
+
+
+def test_interleaved_ratio_comes_with_an_interval_that_covers_it() -> None:
+    from benchmarks.interleave import ratio_interval
+
+    colocated = [5.00, 5.02, 4.98, 5.01, 4.99]
+    afd = [5.10, 5.12, 5.08, 5.11, 5.60]  # one slow repeat: noise, measured not refused
+    r = ratio_interval(afd, colocated)
+    assert r.value == pytest.approx(5.11 / 5.00)
+    assert r.low <= r.value <= r.high
+    assert r.relative_width < 0.15
+    # The same samples twice: the same interval (seeded resampling).
+    assert ratio_interval(afd, colocated) == r
+
+
+def test_layer_fit_recovers_what_is_added_per_step_and_per_layer() -> None:
+    from benchmarks.interleave import layer_fit
+
+    # colocated 1 ms a layer; AFD adds 0.2 ms a step and 0.025 ms a layer.
+    colocated = {2: [2.0] * 5, 4: [4.0] * 5}
+    afd = {2: [2.0 + 0.2 + 0.05] * 5, 4: [4.0 + 0.2 + 0.1] * 5}
+    step, layer = layer_fit(afd, colocated)
+    assert step.value == pytest.approx(200.0)
+    assert layer.value == pytest.approx(25.0)
+    with pytest.raises(BenchmarkRefused, match="two depths"):
+        layer_fit({2: [1.0]}, {2: [1.0]})
+
+
+def test_expected_distinct_experts_under_uniform_routing() -> None:
+    from benchmarks.interleave import expected_distinct_experts
+
+    assert expected_distinct_experts(256, 8, 1) == pytest.approx(8.0)
+    assert expected_distinct_experts(256, 8, 16) == pytest.approx(102.0, abs=0.5)
+    assert expected_distinct_experts(256, 8, 256) > 255

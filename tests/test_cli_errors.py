@@ -313,3 +313,27 @@ def test_status_lists_live_streams_and_how_far_behind_each_is(start_daemon, caps
         channel.close()
         attn.close()
         ffn.close()
+
+
+@pytest.mark.parametrize("where", ["missing-folder/trace.json", "."])
+def test_trace_to_an_unwritable_path_says_so_in_one_line_before_recording(
+    tmp_path: Path, where: str
+):
+    """Issue 39: `afd-ctl trace --out` to a path it cannot write recorded the steps first and
+    then failed with a traceback. Nothing listens at the address here: the path is checked
+    before the daemon is asked anything."""
+    out_path = tmp_path / where
+    argv = ["trace", "--controller", "127.0.0.1:1", "--steps", "3", "--out", str(out_path)]
+    out = subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env(),
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("afd-ctl trace: cannot write"), (
+        out.stderr
+    )
+    assert f"--out {out_path}" in out.stderr and "nothing was recorded" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left behind

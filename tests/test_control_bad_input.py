@@ -12,7 +12,7 @@ from afd_ctl.sim_worker import make_payload
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from tests.procs import sim_worker
 
-GOOD_STEPS = 40
+GOOD_STEPS = 60
 
 
 def bad_payloads(step: int):
@@ -36,6 +36,17 @@ def bad_payloads(step: int):
     p = base()
     p.records_only = True
     yield "records_only alone", p, "INVALID_ARGUMENT", "records_only is set without is_graph"
+    # Issue 39: contradictory flags relayed as they came, and a step id at the 64-bit limit
+    # that overflowed the next trace's start step.
+    p = base()
+    p.is_graph_capturing = p.is_graph_replaying = True
+    yield "capture and replay", p, "INVALID_ARGUMENT", "is_graph_capturing and is_graph_replaying"
+    p = base()
+    p.is_graph_capturing = p.records_only = p.is_profile = True
+    yield "records_only profile", p, "INVALID_ARGUMENT", "records_only is set with is_profile"
+    p = base()
+    p.step_id = (1 << 64) - 1
+    yield "step id at 2^64-1", p, "INVALID_ARGUMENT", "step_id 18446744073709551615 is above 2^62"
     yield "step backwards", make_payload(1, 2, 1), "INVALID_ARGUMENT", "step_id 1 does not increase"
 
 

@@ -152,8 +152,14 @@ def test_join_and_loss_bump_the_epoch_and_health():
     [
         (WorkerSpec("x", "BOGUS"), "role"),
         (WorkerSpec("", FFN), "worker_id"),
-        (WorkerSpec("ffn\nINFO forged", FFN), "worker_id has a control character"),
-        (WorkerSpec("ffn\u202e0", FFN), "worker_id has a control character"),
+        (WorkerSpec("ffn\nINFO forged", FFN), "worker_id has a control or invisible character"),
+        (WorkerSpec("ffn\u202e0", FFN), "worker_id has a control or invisible character"),
+        # Issue 39: ids that look like another one (zero-width space, joiner, bidi mark, NBSP).
+        (WorkerSpec("ffn\u200b0", FFN), "(U+200B at index 3)"),
+        (WorkerSpec("ffn\u200d0", FFN), "(U+200D at index 3)"),
+        (WorkerSpec("\u200fffn0", FFN), "(U+200F at index 0)"),
+        (WorkerSpec("ffn\u00a00", FFN), "(U+00A0 at index 3)"),
+        (WorkerSpec("ffn\ufeff", FFN), "(U+FEFF at index 3)"),
         (WorkerSpec("x", FFN, dp_rank=2, dp_size=2), "dp_rank"),
         (WorkerSpec("x", FFN, dp_size=3), "dp_size"),
         (WorkerSpec("x", FFN, data_plane_blob=b"x" * ((1 << 20) + 1)), "data_plane_blob"),
@@ -247,7 +253,7 @@ def test_step_ids_must_increase_per_sender():
 def test_slow_subscriber_is_cut_off_with_a_reason():
     async def scenario():
         c = Controller(DaemonConfig(subscriber_queue=8), first_epoch=1)
-        tap = c.add_tap(include_payloads=True)
+        tap = c.taps.add(include_payloads=True)
         a = c.open_session(WorkerSpec("a0", ATTENTION), "p")
         f = c.open_session(WorkerSpec("f0", FFN), "p")
         for step in range(1, 20):

@@ -86,7 +86,9 @@ def test_refused_registrations_are_rate_limited_and_ids_cannot_forge_lines(start
         stub = afd_pb2_grpc.AFDControllerStub(channel)
         error = refused(stub, forged)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "worker_id has a control character (U+000A at index 5)" in error.details()
+        assert (
+            "worker_id has a control or invisible character (U+000A at index 5)" in error.details()
+        )
         start = time.monotonic()
         for i in range(400):
             refused(stub, f"bad\tid-{i}")

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from afd_ctl.step import Step
 from afd_data import (
     AfdBadInput,
     AfdPeerLost,
@@ -503,16 +504,16 @@ def test_begin_step_refuses_bad_payloads(pair) -> None:
         ({1: [1]}, "stage keys"),
     ]
     for counts, message in cases:
-        with pytest.raises(AfdBadInput, match=message):
-            t.begin_step(7, counts)
+        with pytest.raises(ValueError, match=message):  # AfdBadInput is a ValueError
+            t.begin_step(Step.of(7, counts))
     assert t.step_id is None  # nothing changed
     with pytest.raises(AfdStaleEpoch, match="epoch 2"):
-        t.begin_step(7, [[1]], epoch=2)
+        t.begin_step(Step.of(7, [[1]], epoch=2))
     with pytest.raises(AfdBadInput, match="reconnect"):
-        t.begin_step(7, [[1]], epoch=4)
-    t.begin_step(7, [[4], [0]], epoch=3)
+        t.begin_step(Step.of(7, [[1]], epoch=4))
+    t.begin_step(Step.of(7, [[4], [0]], epoch=3))
     with pytest.raises(AfdBadInput, match="does not increase"):
-        t.begin_step(7, [[1]])
+        t.begin_step(Step.of(7, [[1]]))
     with pytest.raises(AfdBadInput, match="is for ffn workers|is for attention workers"):
         t.send_hidden(0, 0, np.zeros((4, 16), np.uint16))
 
@@ -521,7 +522,7 @@ def test_send_refuses_shape_and_dtype_then_delivers(pair) -> None:
     """Wrong shape, dtype or type is refused before anything moves; then a good send arrives
     intact at the FFN's packed receive slot with its notification."""
     t, fake = pair("attention")
-    t.begin_step(1, [[3]])
+    t.begin_step(Step.of(1, [[3]]))
     good = (np.arange(3 * 16, dtype=np.uint16) * 7).reshape(3, 16)
     for bad, message in [
         (np.zeros((2, 16), np.uint16), r"shape \(2, 16\) but this step expects \(3, 16\)"),
@@ -560,13 +561,13 @@ def test_flow_control_refuses_overwrite_until_reply(pair) -> None:
     """Two stages in flight are fine; the next layer in a slot whose reply has not been taken is
     refused, and the reply (the credit) frees it."""
     t, fake = pair("attention", num_stages=2, layers_in_flight=1)
-    t.begin_step(1, [[2], [1]])
+    t.begin_step(Step.of(1, [[2], [1]]))
     t.send_hidden(0, 0, np.ones((2, 16), np.uint16))
     t.send_hidden(0, 1, np.ones((1, 16), np.uint16))
     with pytest.raises(AfdBadInput, match=r"overwrite .* call recv_outputs\(layer=0, stage=0\)"):
         t.send_hidden(1, 0, np.ones((2, 16), np.uint16))
     with pytest.raises(AfdBadInput, match="begin_step.* unanswered"):
-        t.begin_step(2, [[1], [1]])
+        t.begin_step(Step.of(2, [[1], [1]]))
     fake.notice(t, layer=0, stage=0, rows=2)
     (out,) = t.recv_outputs(0, 0, timeout_s=5)
     assert out.shape == (2, 16)
@@ -579,7 +580,7 @@ def test_notifications_for_unknown_step_or_epoch_are_refused(pair) -> None:
     """Each bad notification raises a typed error from the receive that meets it and is
     dropped; the transport then receives the good one."""
     t, fake = pair("ffn")
-    t.begin_step(10, [[3]])
+    t.begin_step(Step.of(10, [[3]]))
     cases = [
         (
             notify.pack(Kind.HIDDEN, 1, 10, 0, 0, 0, 3),
@@ -609,13 +610,13 @@ def test_notifications_for_unknown_step_or_epoch_are_refused(pair) -> None:
     fake.notice(t, step=11, rows=1)
     time.sleep(0.1)
     t.flush()  # takes the early notification before the step begins
-    t.begin_step(11, [[0]])
+    t.begin_step(Step.of(11, [[0]]))
     assert t.recv_hidden(0, 0, timeout_s=5).slices[0].num_tokens == 0
 
 
 def test_attention_refuses_output_of_unknown_step(pair) -> None:
     t, fake = pair("attention")
-    t.begin_step(5, [[1]])
+    t.begin_step(Step.of(5, [[1]]))
     t.send_hidden(0, 0, np.ones((1, 16), np.uint16))
     fake.notice(t, step=4, rows=1)
     with pytest.raises(AfdProtocolError, match="unknown step/layer, this rank is at step 5"):
@@ -626,18 +627,18 @@ def test_attention_refuses_output_of_unknown_step(pair) -> None:
 
 def test_missing_notification_is_peer_lost_within_bound(pair) -> None:
     t, _ = pair("ffn")
-    t.begin_step(1, [[1]])
+    t.begin_step(Step.of(1, [[1]]))
     started = time.monotonic()
     with pytest.raises(AfdPeerLost, match=r"^afd peer lost: attention rank 0 .*within 0.3 s"):
         t.recv_hidden(0, 0, timeout_s=0.3)
     assert time.monotonic() - started < 2.0
     with pytest.raises(AfdPeerLost):  # unusable until reconnect
-        t.begin_step(2, [[1]])
+        t.begin_step(Step.of(2, [[1]]))
 
 
 def test_peer_lost_event_interrupts_wait_and_reconnect_recovers(pair) -> None:
     t, fake = pair("ffn")
-    t.begin_step(1, [[1]])
+    t.begin_step(Step.of(1, [[1]]))
     assert not t.mark_peer_lost(Role.FFN, 0)  # not a peer of an FFN worker: ignored
     threading.Timer(0.2, t.mark_peer_lost, (Role.ATTENTION, 0, "keepalive failed")).start()
     started = time.monotonic()
@@ -645,8 +646,8 @@ def test_peer_lost_event_interrupts_wait_and_reconnect_recovers(pair) -> None:
         t.recv_hidden(0, 0, timeout_s=30)
     assert time.monotonic() - started < 2.0
     with pytest.raises(AfdPeerLost):
-        t.begin_step(2, [[1]])
+        t.begin_step(Step.of(2, [[1]]))
     t.reconnect(4, [fake.spec()])
-    t.begin_step(1, [[1]], epoch=4)
+    t.begin_step(Step.of(1, [[1]], epoch=4))
     fake.notice(t, rows=1)
     assert t.recv_hidden(0, 0, timeout_s=5).hidden.shape == (1, 16)

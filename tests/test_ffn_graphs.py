@@ -12,21 +12,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_ctl.payloads import make_payload
-from afd_ctl.v1 import afd_pb2
-from vllm_ext.exchange.nixl_graphs import CAPTURE, EAGER, REPLAY, FfnGraphRunner, graph_mode
+from afd_ctl.step import CAPTURE, EAGER, REPLAY, Step, StepFlags
+from vllm_ext.exchange.nixl_graphs import FfnGraphRunner
 
 
-def payload(step: int, counts: list[list[int]], **flags: bool) -> afd_pb2.AFDControlPayload:
-    return make_payload(step, counts, **flags)
+def payload(step: int, counts: list[list[int]], **flags: bool) -> Step:
+    """A step as the FFN side reads it from its payload (through the wire form)."""
+    return Step.from_payload(Step.of(step, counts, flags=StepFlags(**flags)).to_payload())
 
 
 def test_the_payload_decides_the_mode():
-    assert graph_mode(payload(1, [[8]], is_graph_capturing=True), enabled=True) == CAPTURE
-    assert graph_mode(payload(2, [[8]], is_graph_replaying=True), enabled=True) == REPLAY
-    assert graph_mode(payload(3, [[8]], is_warmup=True), enabled=True) == EAGER
-    assert graph_mode(payload(4, [[8]]), enabled=True) == EAGER  # same counts, no flag: eager
-    assert graph_mode(payload(5, [[8]], is_graph_replaying=True), enabled=False) == EAGER
+    def mode(step: Step, enabled: bool) -> str:
+        return step.flags.graph_mode(enabled)
+
+    assert mode(payload(1, [[8]], is_graph_capturing=True), enabled=True) == CAPTURE
+    assert mode(payload(2, [[8]], is_graph_replaying=True), enabled=True) == REPLAY
+    assert mode(payload(3, [[8]], is_warmup=True), enabled=True) == EAGER
+    assert mode(payload(4, [[8]]), enabled=True) == EAGER  # same counts, no flag: eager
+    assert mode(payload(5, [[8]], is_graph_replaying=True), enabled=False) == EAGER
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -50,14 +53,14 @@ def test_capture_and_replay_follow_the_payload_and_match_eager(version: int, gat
     router_slots = [[torch.empty(64, experts, device="cuda") for _ in range(stack.num_layers)]
                     for _ in range(2)]  # fmt: skip
 
-    def step(p: afd_pb2.AFDControlPayload) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def step(p: Step) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Runs every layer and stage; returns (runner output, eager reference) per layer and
         stage."""
         runner.begin_step(p)
         results = []
         for layer in range(stack.num_layers):
-            for stage in sorted(p.stages):
-                rows = max(1, p.stages[stage].num_tokens_across_dp[0])
+            for stage in range(p.stages):
+                rows = max(1, p.counts[stage][0])
                 x = slots[stage][layer][:rows]
                 x.copy_(torch.randn(rows, hidden, device="cuda"))
                 if gate == "attention":

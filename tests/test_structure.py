@@ -1,5 +1,6 @@
 """The code's shape, checked from the source alone (issue 20): every reach into vLLM goes
-through `vllm_ext/compat/`, no afd_data or vllm_ext module grows past 350 lines, and the
+through `vllm_ext/compat/`, no afd_ctl, afd_data or vllm_ext module grows past 350 lines
+(generated protobuf code aside; afd_ctl since issue 32), and the
 packages' import graph has no cycle. Fast: `ast` only, nothing is imported, no vLLM needed."""
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def test_vllm_is_imported_only_in_compat() -> None:
 
 def test_no_module_over_the_line_bound() -> None:
     too_long = []
-    for path in _product_files(("afd_data", "vllm_ext")):
+    for path in _product_files(PRODUCT):
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES and _rel(path) not in OVER_MAX_FOR_NOW:
             too_long.append(f"{_rel(path)}: {lines} lines")
@@ -190,3 +191,90 @@ def test_data_and_control_planes_import_no_cycle_even_lazily() -> None:
     graph = _import_graph(("afd_ctl", "afd_data"), lazy=True)
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_vllm_ext_imports_no_cycle_even_lazily() -> None:
+    """vllm_ext has no cycle counting imports inside functions either (the plugin entry point,
+    the hooks and the FFN role's entry once closed one)."""
+    graph = _import_graph(("vllm_ext",), lazy=True)
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_product_code_imports_no_test_helper() -> None:
+    """Only vllm_ext/testing/ itself (and tests, benchmarks) imports vllm_ext.testing."""
+    graph = _import_graph(lazy=True)
+    found = [
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if not name.startswith("vllm_ext.testing")
+        for target in targets
+        if target.startswith("vllm_ext.testing")
+    ]
+    assert not found, "product code imports test helpers:\n" + "\n".join(found)
+
+
+def test_no_private_parts_reached_across_packages() -> None:
+    """No `x._p` (a transport's private parts) outside afd_data: other packages use the
+    transport's public accessors."""
+    found = []
+    for path in _product_files():
+        if path.parts[-2] == "afd_data" or "afd_data" in path.relative_to(ROOT).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "_p":
+                found.append(f"{_rel(path)}:{node.lineno}")
+    assert not found, "private transport parts reached from outside afd_data:\n" + "\n".join(found)
+
+
+# The one module of vllm_ext that chooses an exchange implementation by path.
+PATH_CHOOSER = "vllm_ext/exchange/factory.py"
+PATH_NAMES = ("gpu", "nixl", "GPU", "NIXL")
+
+
+def test_exchange_paths_are_compared_only_in_the_factory() -> None:
+    """Callers never branch on the exchange path: no comparison with "gpu"/"nixl" (or the
+    GPU/NIXL constants) in vllm_ext outside vllm_ext/exchange/factory.py."""
+
+    def names_a_path(node: ast.expr) -> bool:
+        if isinstance(node, ast.Constant) and node.value in ("gpu", "nixl"):
+            return True
+        return isinstance(node, ast.Name) and node.id in ("GPU", "NIXL")
+
+    found = []
+    for path in _product_files(("vllm_ext",)):
+        if _rel(path) == PATH_CHOOSER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(
+                names_a_path(x) for x in (node.left, *node.comparators)
+            ):
+                found.append(f"{_rel(path)}:{node.lineno}")
+    assert not found, "exchange path compared outside the factory:\n" + "\n".join(found)
+
+
+def test_no_formatter_escapes_in_product_code() -> None:
+    """`# fmt: skip` is not used to squeeze a module under the line bound."""
+    found = [
+        f"{_rel(path)}:{i}"
+        for path in _product_files()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if "fmt: skip" in line or "fmt: off" in line
+    ]
+    assert not found, "formatter escapes in product code:\n" + "\n".join(found)
+
+
+def test_benchmarks_do_not_import_the_tests() -> None:
+    """Benchmarks take their process helpers from vllm_ext.testing, not from tests/."""
+    found = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            found += [
+                f"{_rel(path)}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "tests"
+            ]
+    assert not found, "benchmarks import tests/:\n" + "\n".join(found)

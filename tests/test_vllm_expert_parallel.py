@@ -125,6 +125,7 @@ def start_attention_server(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.both_lines
 def test_each_ffn_rank_holds_only_its_experts(
     tiny_models: dict[Version, Path],  # noqa: F811
     procs: list[Proc],

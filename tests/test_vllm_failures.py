@@ -137,7 +137,13 @@ def answered_again(servers: AfdServers, timeout_s: float = 60) -> str:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.line_independent)])
+@pytest.mark.parametrize(
+    "dp",
+    [
+        pytest.param(1, marks=pytest.mark.both_lines),
+        pytest.param(2, marks=pytest.mark.line_independent),
+    ],
+)
 def test_ffn_kill_fails_the_request_and_attention_recovers(
     dp: int, tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ PEER = Path(__file__).with_name("two_stage_attention_peer.py")
 SIZE = {"afd": {"max_tokens": 512}}
 
 
+@pytest.mark.both_lines
 def test_ffn_server_serves_one_and_two_stage_steps_alike(tmp_path: Path) -> None:
     from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
 

@@ -12,6 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+# vLLM's CUDAGraphMode of the installed line: both vLLM lines.
+pytestmark = pytest.mark.both_lines
+
 
 def _config(mode: str, splitting_ops: list[str]) -> SimpleNamespace:
     from vllm.config.compilation import CUDAGraphMode
@@ -28,7 +31,7 @@ def test_the_gpu_driven_exchange_keeps_the_mode_asked_for(mode: str) -> None:
     from vllm_ext import hooks
 
     config = _config(mode, [hooks.EXCHANGE_OP])
-    hooks.graphs_for_exchange_path(config, "gpu")
+    hooks.graphs_for_exchange(config, full_graphs=True)
     assert config.compilation_config.cudagraph_mode.name == mode
 
 
@@ -47,5 +50,5 @@ def test_the_host_driven_exchange_never_sits_in_a_full_graph(
     from vllm_ext import hooks
 
     config = _config(mode, [hooks.EXCHANGE_OP] if pieces else [])
-    hooks.graphs_for_exchange_path(config, "nixl")
+    hooks.graphs_for_exchange(config, full_graphs=False)
     assert config.compilation_config.cudagraph_mode.name == expected

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+# The flags and guards against each line's own EngineArgs: both vLLM lines (but the tests
+# marked line_independent).
+pytestmark = pytest.mark.both_lines
 
 from vllm_ext.testing.offline import apply_cpu_env  # noqa: E402
 

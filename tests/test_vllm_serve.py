@@ -1,6 +1,8 @@
 """`vllm serve` end to end: an afd-ctl daemon, `vllm serve --afd-role ffn` and
 `vllm serve --afd-role attention`, against a colocated `vllm serve` of the same weights.
-At most two vLLM servers run at a time (the colocated one is stopped first)."""
+At most two vLLM servers run at a time (the colocated one is stopped first). One colocated
+server per model answers every test of the module (`colocated`), each request alone in its
+batch, so its answers do not depend on which test asked first."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import json
 import signal
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,50 @@ def ask(port: int, model: Path) -> tuple[str, str]:
     return completion["choices"][0]["text"], chat["choices"][0]["message"]["content"]
 
 
+PROMPTS = ["The capital of France is", "Hello, my name is", "Once upon a time there was"]
+
+
+def complete_each(port: int, model: Path) -> list[str]:
+    """One request at a time, so every request runs alone in its batch on every engine."""
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": str(model), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    return [post_json(url, {**body, "prompt": p})["choices"][0]["text"] for p in PROMPTS]
+
+
+@dataclass(frozen=True)
+class Colocated:
+    """A colocated `vllm serve`'s answers: to `ask` and to `complete_each`."""
+
+    ask: tuple[str, str]
+    each: list[str]
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], Colocated]:
+    """A colocated `vllm serve` of a model, started once per module (not once per test: a start
+    costs about 30 s on 2 cores) and stopped as soon as it has answered, before the test
+    starts its AFD servers."""
+    answers: dict[Path, Colocated] = {}
+
+    def of(model: Path) -> Colocated:
+        if model not in answers:
+            port = free_port()
+            log = tmp_path_factory.mktemp("colocated") / "colocated.log"
+            server = Proc(serve_argv(model, port), log, vllm_env())
+            try:
+                wait_http_ok(f"http://127.0.0.1:{port}/health", 180, server.popen)
+                each = complete_each(port, model)
+                answers[model] = Colocated(ask(port, model), each)
+            except BaseException:
+                print(f"\n--- colocated vllm serve (log {log}) ---\n{server.tail()}")
+                raise
+            finally:
+                server.stop()
+        return answers[model]
+
+    return of
+
+
 def afd_ctl(*args: str) -> str:
     out = subprocess.run([bin_path("afd-ctl"), *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -63,15 +111,10 @@ def afd_ctl(*args: str) -> str:
 
 @pytest.mark.timeout(600)
 def test_vllm_serve_afd_matches_colocated_server(
-    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
-) -> None:
-    port = free_port()
-    colocated = Proc(serve_argv(tiny_model, port), tmp_path / "colocated.log", vllm_env())
-    procs.append(colocated)
-    wait_http_ok(f"http://127.0.0.1:{port}/health", 180, colocated.popen)
-    want = ask(port, tiny_model)
-    colocated.stop()
-
+    tiny_model: Path, colocated: Callable[[Path], Colocated], start_daemon, procs: list[Proc],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    want = colocated(tiny_model).ask
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     ffn = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn.log", vllm_env())
     procs.append(ffn)
@@ -122,35 +165,23 @@ def test_vllm_serve_afd_matches_colocated_server(
     assert "the attention side sent stop" in ffn.log(), ffn.tail()
 
 
-PROMPTS = ["The capital of France is", "Hello, my name is", "Once upon a time there was"]
-
-
-def complete_each(port: int, model: Path) -> list[str]:
-    """One request at a time, so every request runs alone in its batch on every engine."""
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    body = {"model": str(model), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    return [post_json(url, {**body, "prompt": p})["choices"][0]["text"] for p in PROMPTS]
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "model_fixture",
-    ["tiny_model", pytest.param("tiny_qwen3_moe", marks=pytest.mark.line_independent)],
+    [
+        pytest.param("tiny_model", marks=pytest.mark.both_lines),
+        pytest.param("tiny_qwen3_moe", marks=pytest.mark.line_independent),
+    ],
 )
 def test_attention_dp2_to_one_ffn_matches_colocated(
-    model_fixture: str, request: pytest.FixtureRequest, start_daemon, procs: list[Proc],
-    tmp_path: Path,
+    model_fixture: str, request: pytest.FixtureRequest, colocated: Callable[[Path], Colocated],
+    start_daemon, procs: list[Proc], tmp_path: Path,
 ) -> None:  # fmt: skip
     """Attention DP=2 (`vllm serve --data-parallel-size 2`) : 1 FFN, DeepSeek-V2 and Qwen3-MoE.
     Both attention ranks send every step (the idle one a dummy batch); the payload carries the
     real per-rank counts."""
     tiny_model: Path = request.getfixturevalue(model_fixture)
-    port = free_port()
-    colocated = Proc(serve_argv(tiny_model, port), tmp_path / "colocated.log", vllm_env())
-    procs.append(colocated)
-    wait_http_ok(f"http://127.0.0.1:{port}/health", 180, colocated.popen)
-    want = complete_each(port, tiny_model)
-    colocated.stop()
+    want = colocated(tiny_model).each
 
     daemon = start_daemon("--expect-attention", "2", "--expect-ffn", "1")
     ffn = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn.log", vllm_env())
@@ -190,6 +221,7 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.both_lines
 def test_vllm_serve_default_path_without_enforce_eager(
     tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ the exchanges' own counters, and an FFN that takes a known time per layer can be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -30,32 +31,47 @@ def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
     import torch
 
     from afd_ctl.client import ControllerClient, WorkerSpec
+    from afd_ctl.routing import Role
+    from afd_ctl.step import Step
     from afd_ctl.trace import check_trace_events
-    from vllm_ext.exchange.nixl import AttentionExchange, FfnExchange, StepShape
+    from vllm_ext.exchange.data_plane import DataPlane
+    from vllm_ext.exchange.factory import attention_exchanges, ffn_exchanges
     from vllm_ext.exchange.timing import ExchangeTimings
+
+    class SleepyFfn:
+        """The FFN's compute: FFN_S per layer, doubling the rows (an FFN engine's interface)."""
+
+        num_layers = LAYERS
+
+        def step_scope(self) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+        def forward_layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(FFN_S)
+            return x * 2
 
     daemon = start_daemon()
     sizes = dict(num_attention=1, num_ffn=1, hidden_size=HIDDEN, max_tokens=8, timeout_s=10.0)
-    common = dict(rank=0, dtype=torch.float32, router=(0, "float32"), **sizes)
-    attn_ex = AttentionExchange(name="attn", **common)
-    ffn_ex = FfnExchange(name="ffn", **common)
+    common = dict(rank=0, dtype=torch.float32, router=(0, "float32"), device="cpu", **sizes)
+    attn_x = attention_exchanges(DataPlane(Role.ATTENTION, name="attn", **common))
+    ffn_x = ffn_exchanges(DataPlane(Role.FFN, name="ffn", **common), SleepyFfn(), graphs=False)
     attn = ControllerClient(
-        daemon.address, WorkerSpec("attn-0", "ATTENTION"), data_plane_blob=attn_ex.blob()
+        daemon.address, WorkerSpec("attn-0", "ATTENTION"), data_plane_blob=attn_x.plane.blob()
     )
     ffn = ControllerClient(
-        daemon.address, WorkerSpec("ffn-0", "FFN"), data_plane_blob=ffn_ex.blob()
+        daemon.address, WorkerSpec("ffn-0", "FFN"), data_plane_blob=ffn_x.plane.blob()
     )
-    for client, ex in ((attn, attn_ex), (ffn, ffn_ex)):
+    for client, x in ((attn, attn_x), (ffn, ffn_x)):
         client.timings.interval_s = 0.1
         client.timings.layers = LAYERS
-        ex.timings = ExchangeTimings(client.timings)
+        x.reporting.timings = ExchangeTimings(client.timings)
     stop = threading.Event()
     errors: list[BaseException] = []
     try:
         attn.connect(10)
         ffn.connect(10)
-        for client, ex in ((attn, attn_ex), (ffn, ffn_ex)):
-            ex.connect(client.wait_complete(10))
+        attn_ex = attn_x.connect(attn.wait_complete(10))
+        ffn_ex = ffn_x.connect(ffn.wait_complete(10))
         epoch = attn.view.epoch
 
         def serve() -> None:
@@ -63,12 +79,7 @@ def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
                 step = 0
                 while not stop.is_set():
                     step += 1
-                    ffn_ex.begin_step(StepShape(step, {0: [ROWS]}, epoch))
-                    for layer in range(LAYERS):
-                        x, _ = ffn_ex.recv(layer, 0)
-                        time.sleep(FFN_S)  # the FFN's compute
-                        ffn_ex.send(layer, 0, x * 2)
-                    ffn_ex.end_step()
+                    ffn_ex.run_step(Step.of(step, [[ROWS]], epoch=epoch))
             except BaseException as exc:  # noqa: BLE001 (reported below)
                 if not stop.is_set():
                     errors.append(exc)
@@ -79,9 +90,11 @@ def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
         tracer: subprocess.Popen[str] | None = None
         hidden = torch.ones(ROWS, HIDDEN)
         for step in range(1, 301):
-            attn_ex.begin_step(StepShape(step, {0: [ROWS]}, epoch))
+            attn_ex.begin_step(Step.of(step, [[ROWS]]))
             for layer in range(LAYERS):
-                out = attn_ex.exchange(layer, 0, hidden)
+                out = torch.empty_like(hidden)
+                attn_ex.post(layer, 0, hidden, None)
+                attn_ex.take(layer, 0, out)
                 assert torch.equal(out, hidden * 2)
             attn_ex.end_step()
             if step == 100:  # the windows have reports by now: both workers are asked
@@ -109,7 +122,9 @@ def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
         assert 280 <= int(a["steps"]) <= 300
         assert a["tokens_per_step"] == ROWS
         assert a["bytes_per_step"] == 2 * LAYERS * ROWS * HIDDEN * 4
-        assert a["wait_ms_per_step"] == pytest.approx(1e3 * attn_ex.wait_s / 300, rel=0.05)
+        wait_s = attn_ex.stats()["wait_us_per_layer"] * attn_ex.stats()["exchanges"] / 1e6
+        assert a["wait_ms_per_step"] == pytest.approx(1e3 * wait_s / 300, rel=0.05)
+        assert a["exchange_path"] == "nixl" and f["exchange_path"] == "nixl"
         # It waits at least the FFN's compute per layer; the FFN is busy at least that long.
         assert a["wait_ms_per_step"] >= 1e3 * LAYERS * FFN_S * 0.9
         assert f["compute_ms_per_step"] >= 1e3 * LAYERS * FFN_S * 0.9
@@ -122,5 +137,5 @@ def test_exchanges_report_what_their_own_counters_say_and_record_a_trace(
         stop.set()
         for client in (attn, ffn):
             client.close()
-        for ex in (attn_ex, ffn_ex):
-            ex.close()
+        for x in (attn_x, ffn_x):
+            x.close()

@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from afd_ctl.client import ControllerClient  # noqa: E402
 from afd_ctl.membership import WorkerSpec  # noqa: E402
-from afd_ctl.payloads import make_payload  # noqa: E402
+from afd_ctl.step import Step  # noqa: E402
+from afd_ctl.v1 import afd_pb2  # noqa: E402
 from afd_data import NixlTransport, Role, TransportConfig  # noqa: E402
 from afd_data.rendezvous import join  # noqa: E402
 
@@ -38,8 +39,8 @@ def run_step(
 ) -> list[np.ndarray]:
     """One step over every layer; `stages`: the rows of each stage. Returns each layer's output."""
     counts = [[rows] for rows in stages]
-    t.begin_step(step, counts, epoch=t.epoch)
-    client.publish(make_payload(step, counts))
+    t.begin_step(Step.of(step, counts, epoch=t.epoch))
+    client.publish(Step.of(step, counts).to_payload())
     bounds = np.cumsum([0, *stages])
     outputs = []
     for layer, x in enumerate(inputs):
@@ -92,7 +93,7 @@ def main() -> int:
             ),
         }
         print(json.dumps(result), flush=True)
-        client.publish(make_payload(4, [[1]], stop=True))
+        client.publish(afd_pb2.AFDControlPayload(step_id=4, stop=True))
         client.flush(timeout_s=10)
         return 0
     finally:

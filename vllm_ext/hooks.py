@@ -183,7 +183,7 @@ def _exchange_between_graph_pieces(vllm_config: Any) -> None:
     there when the user gives none): the exchange joins them, so under PIECEWISE graphs it runs
     eagerly between the captured pieces (a host-driven exchange must; a GPU-driven one may).
     The CUDA graph mode the user asked for (vLLM's default FULL_AND_PIECEWISE included) stays:
-    whether FULL graphs can hold the exchange is known at connect (graphs_for_exchange_path)."""
+    whether FULL graphs can hold the exchange is known at connect (graphs_for_exchange)."""
     _, compilation_mode = compat.seams().compilation_enums()
     compilation = vllm_config.compilation_config
     if compilation.mode != compilation_mode.VLLM_COMPILE:
@@ -196,9 +196,9 @@ def _exchange_between_graph_pieces(vllm_config: Any) -> None:
     log.info("afd attention: %s splits the model's CUDA graph pieces", EXCHANGE_OP)
 
 
-def graphs_for_exchange_path(vllm_config: Any, path: str) -> None:
-    """Called once the data plane chose its path (at load_model, before vLLM resolves its CUDA
-    graph mode at KV cache set-up). The GPU-driven exchange runs inside FULL graphs. A
+def graphs_for_exchange(vllm_config: Any, full_graphs: bool) -> None:
+    """Called once the data plane chose its exchange (at load_model, before vLLM resolves its
+    CUDA graph mode at KV cache set-up). The GPU-driven exchange runs inside FULL graphs. A
     host-driven one (NIXL: peers on other hosts) would run once at capture and never on
     replay, so FULL modes become PIECEWISE (the exchange eager between the pieces) or, where
     the model was compiled without pieces, no CUDA graphs."""
@@ -207,7 +207,7 @@ def graphs_for_exchange_path(vllm_config: Any, path: str) -> None:
     mode = compilation.cudagraph_mode
     if mode is None or not mode.has_full_cudagraphs():
         return
-    if path == "gpu":
+    if full_graphs:
         log.info(
             "afd attention: cudagraph_mode %s: FULL CUDA graphs capture the GPU-driven exchange",
             mode.name,

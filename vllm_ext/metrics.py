@@ -125,7 +125,7 @@ class SeriesFiles:
 
     def set(self, series: Series, value: float) -> None:
         with self._lock:
-            key = self._key(series.name, series.name, (), (), series.help)
+            key = self._key(series.name, series.name, [], [], series.help)
             self._file(series).write_value(key, value, time.time())
 
     def observe(self, series: Series, values: list[float]) -> None:
@@ -155,7 +155,7 @@ class SeriesFiles:
         amount: float,
     ) -> None:
         with self._lock:
-            key = self._key(series.name, sample, labelnames, labelvalues, series.help)
+            key = self._key(series.name, sample, list(labelnames), list(labelvalues), series.help)
             value = self._values.get(key, 0.0) + amount
             self._values[key] = value
             self._file(series).write_value(key, value, 0.0)

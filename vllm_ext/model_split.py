@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # What a proxy calls: layer_idx, hidden_states, router logits or None, output: writes the FFN
 # output (shaped like hidden_states) into output. The attention worker binds its step state's
 # `exchange` to every proxy (bind_proxies).
-Exchange = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
+Exchange = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor], object]
 
 
 def layer_name(layer_idx: int) -> str:

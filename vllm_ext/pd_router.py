@@ -228,10 +228,12 @@ class PdRouter:
         decode_up = any(status[u] == "ok" for u in self.config.decode_urls)
         code = 200 if prefill_up and decode_up else 503
         return web.json_response(
-            {"prefill": {u: status[u] for u in self.config.prefill_urls},
-             "decode": {u: status[u] for u in self.config.decode_urls}},
+            {
+                "prefill": {u: status[u] for u in self.config.prefill_urls},
+                "decode": {u: status[u] for u in self.config.decode_urls},
+            },
             status=code,
-        )  # fmt: skip
+        )
 
     async def _health_of(self, url: str) -> str:
         try:
@@ -264,20 +266,28 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         description="OpenAI-API router for prefill/decode disaggregation: prefill, then decode",
     )
     parser.add_argument(
-        "--prefill", action="append", required=True, metavar="URL",
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
         help="a prefill server (vllm serve --kv-transfer-config, KV producer); repeat for more",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--decode", action="append", required=True, metavar="URL",
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
         help="a decode server (the AFD attention server, KV consumer); repeat for more",
-    )  # fmt: skip
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--connect-timeout-s", type=float, default=5.0)
     parser.add_argument(
-        "--read-timeout-s", type=float, default=600.0,
+        "--read-timeout-s",
+        type=float,
+        default=600.0,
         help="bound on a prefill answer and on the gap between two chunks of a decode stream",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     try:
         return RouterConfig(
@@ -307,8 +317,11 @@ async def serve(config: RouterConfig) -> None:
     host, port = runner.addresses[0][:2]
     log.info(
         "pd router listening on http://%s:%d: prefill %s, decode %s",
-        host, port, ", ".join(config.prefill_urls), ", ".join(config.decode_urls),
-    )  # fmt: skip
+        host,
+        port,
+        ", ".join(config.prefill_urls),
+        ", ".join(config.decode_urls),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from afd_ctl.fingerprint import ModelFingerprint
 from vllm_ext.control import ExpectedCounts, expected_counts
+from vllm_ext.exchange.base import AttentionExchange, FfnExchange
 from vllm_ext.exchange.timing import ExchangeTimings
 
 if TYPE_CHECKING:
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from afd_ctl.v1 import afd_pb2
     from afd_data.rendezvous import StuckLossWatch
     from vllm_ext.control import ControlAccess
-    from vllm_ext.exchange.nixl import _Exchange
+    from vllm_ext.exchange.factory import Exchanges
 
 __all__ = ["ExpectedCounts", "PeerLink", "expected_counts", "model_fingerprint"]
+E = TypeVar("E", AttentionExchange, FfnExchange)
 # Files of a local checkpoint whose bytes make its digest (small; the weights are not read).
 DIGEST_FILES = ("config.json", "model.safetensors.index.json")
 
@@ -63,16 +65,17 @@ def _checkpoint_digest(model: str) -> str:
     return digest.hexdigest()[:16] if found else ""
 
 
-class PeerLink:
+class PeerLink(Generic[E]):
     """One worker's afd-ctl session wired to its data plane: every loss afd-ctl reports (or the
     loss of afd-ctl itself) interrupts the transport's waits, and a loss only the data plane
-    saw makes the worker rejoin in a new epoch once it has lasted (StuckLossWatch)."""
+    saw makes the worker rejoin in a new epoch once it has lasted (StuckLossWatch).
+    `exchange` is the implementation the last connect chose (vllm_ext.exchange.factory)."""
 
     def __init__(
         self,
         access: ControlAccess,
         spec: WorkerSpec,
-        exchange: _Exchange,
+        exchanges: Exchanges[E],
         who: str,
         vllm_config: Any = None,
     ) -> None:
@@ -81,13 +84,16 @@ class PeerLink:
         if vllm_config is not None and spec.model is None:
             # afd-ctl refuses a peer of another model at registration, naming both sides.
             spec = dataclasses.replace(spec, model=model_fingerprint(vllm_config))
-        self.exchange = exchange
-        self.client: ControllerClient = access.client(spec, exchange.blob())
+        self.exchanges: Exchanges[E] = exchanges
+        self.plane = exchanges.plane
+        self.client: ControllerClient = access.client(spec, self.plane.blob())
         # Per-step timings to afd-ctl (issue 26): `afd-ctl status`, `advise`, `trace`.
-        exchange.timings = ExchangeTimings(self.client.timings)
+        exchanges.reporting.timings = ExchangeTimings(self.client.timings)
         self.client.timings.layers = spec.model.num_layers if spec.model is not None else 0
-        follow_losses(self.client, exchange.transport)
-        self.loss_watch: StuckLossWatch = StuckLossWatch(self.client, exchange.transport, who)
+        transport = self.plane.transport
+        follow_losses(self.client, transport)
+        self.loss_watch: StuckLossWatch = StuckLossWatch(self.client, transport, who)
+        self.exchange: E | None = None  # set by connect
 
     def register(self, timeout_s: float) -> afd_pb2.Registered:
         """Registers with afd-ctl (retrying while it is unreachable), bounded."""
@@ -95,11 +101,11 @@ class PeerLink:
 
     @property
     def transport_epoch(self) -> int:
-        return self.exchange.transport.epoch or 0
+        return self.plane.epoch
 
     def in_step(self) -> bool:
         """The data plane is whole and at afd-ctl's current complete epoch."""
-        transport, view = self.exchange.transport, self.client.view
+        transport, view = self.plane.transport, self.client.view
         return transport.lost is None and view.complete and view.epoch == transport.epoch
 
     def wait_newer(self, timeout_s: float, after_epoch: int | None = None) -> afd_pb2.View:
@@ -107,10 +113,12 @@ class PeerLink:
         after = self.transport_epoch if after_epoch is None else after_epoch
         return self.client.wait_complete(timeout_s=timeout_s, after_epoch=after)
 
-    def connect(self, view: Any) -> None:
-        """Connects the data plane to `view`'s peers; a later loss starts its own clock."""
-        self.exchange.connect(view)
+    def connect(self, view: Any) -> E:
+        """Connects the data plane to `view`'s peers (the path may change) and returns the
+        exchange to run; a later loss starts its own clock."""
+        self.exchange = self.exchanges.connect(view)
         self.loss_watch.reset()
+        return self.exchange
 
     def close(self, reason: str) -> None:
         """Leaves afd-ctl saying why (every peer's PEER_LOST says "left: <reason>")."""

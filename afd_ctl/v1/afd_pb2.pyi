@@ -221,7 +221,7 @@ class SessionRequest(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., trace: _Optional[_Union[TraceSpans, _Mapping]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s", "step_tokens")
+    __slots__ = ("first_step_id", "last_step_id", "steps", "busy_wall_s", "compute_s", "wait_s", "send_s", "bytes", "tokens", "layers", "step_compute_s", "step_wait_s", "step_tokens", "warmup", "exchange_path")
     FIRST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,8 @@ class StepTimings(_message.Message):
     STEP_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_PATH_FIELD_NUMBER: _ClassVar[int]
     first_step_id: int
     last_step_id: int
     steps: int
@@ -248,7 +250,9 @@ class StepTimings(_message.Message):
     step_compute_s: _containers.RepeatedScalarFieldContainer[float]
     step_wait_s: _containers.RepeatedScalarFieldContainer[float]
     step_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_step_id: _Optional[int] = ..., last_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., busy_wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., send_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., step_compute_s: _Optional[_Iterable[float]] = ..., step_wait_s: _Optional[_Iterable[float]] = ..., step_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    warmup: bool
+    exchange_path: str
+    def __init__(self, first_step_id: _Optional[int] = ..., last_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., busy_wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., send_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., step_compute_s: _Optional[_Iterable[float]] = ..., step_wait_s: _Optional[_Iterable[float]] = ..., step_tokens: _Optional[_Iterable[int]] = ..., warmup: _Optional[bool] = ..., exchange_path: _Optional[str] = ...) -> None: ...
 
 class TraceStart(_message.Message):
     __slots__ = ("trace_id", "first_step_id", "steps", "daemon_sent_s")
@@ -321,6 +325,7 @@ class PublishRejected(_message.Message):
         SET_INCOMPLETE: _ClassVar[PublishRejected.Reason]
         SESSION_ENDED: _ClassVar[PublishRejected.Reason]
         INVALID_FLAGS: _ClassVar[PublishRejected.Reason]
+        STEP_ID_OUT_OF_RANGE: _ClassVar[PublishRejected.Reason]
     REASON_UNSPECIFIED: PublishRejected.Reason
     NOT_A_SENDER: PublishRejected.Reason
     WRONG_SENDER_RANK: PublishRejected.Reason
@@ -330,6 +335,7 @@ class PublishRejected(_message.Message):
     SET_INCOMPLETE: PublishRejected.Reason
     SESSION_ENDED: PublishRejected.Reason
     INVALID_FLAGS: PublishRejected.Reason
+    STEP_ID_OUT_OF_RANGE: PublishRejected.Reason
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -423,7 +429,7 @@ class Status(_message.Message):
     def __init__(self, health: _Optional[str] = ..., epoch: _Optional[int] = ..., controller_incarnation: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleCount, _Mapping]]] = ..., last_step_id: _Optional[int] = ..., steps_relayed: _Optional[int] = ..., payloads_rejected: _Optional[int] = ..., subscribers: _Optional[_Iterable[_Union[SubscriberLag, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[str] = ..., recent_events: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., health_state: _Optional[_Union[Health, str]] = ..., taps: _Optional[_Iterable[_Union[TapLag, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., ffn_groups: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "role_rank", "steps", "reports", "utilisation", "waiting_share", "compute_ms_per_step", "wait_ms_per_step", "send_ms_per_step", "tokens_per_step", "bytes_per_step", "layers", "reports_dropped")
+    __slots__ = ("worker_id", "role", "role_rank", "steps", "reports", "utilisation", "waiting_share", "compute_ms_per_step", "wait_ms_per_step", "send_ms_per_step", "tokens_per_step", "bytes_per_step", "layers", "reports_dropped", "warmup_steps", "warmup_compute_s", "last_refusal", "exchange_path")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +444,10 @@ class WorkerLoad(_message.Message):
     BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     REPORTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_PATH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     role_rank: int
@@ -452,7 +462,11 @@ class WorkerLoad(_message.Message):
     bytes_per_step: float
     layers: int
     reports_dropped: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., steps: _Optional[int] = ..., reports: _Optional[int] = ..., utilisation: _Optional[float] = ..., waiting_share: _Optional[float] = ..., compute_ms_per_step: _Optional[float] = ..., wait_ms_per_step: _Optional[float] = ..., send_ms_per_step: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., bytes_per_step: _Optional[float] = ..., layers: _Optional[int] = ..., reports_dropped: _Optional[int] = ...) -> None: ...
+    warmup_steps: int
+    warmup_compute_s: float
+    last_refusal: str
+    exchange_path: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., steps: _Optional[int] = ..., reports: _Optional[int] = ..., utilisation: _Optional[float] = ..., waiting_share: _Optional[float] = ..., compute_ms_per_step: _Optional[float] = ..., wait_ms_per_step: _Optional[float] = ..., send_ms_per_step: _Optional[float] = ..., tokens_per_step: _Optional[float] = ..., bytes_per_step: _Optional[float] = ..., layers: _Optional[int] = ..., reports_dropped: _Optional[int] = ..., warmup_steps: _Optional[int] = ..., warmup_compute_s: _Optional[float] = ..., last_refusal: _Optional[str] = ..., exchange_path: _Optional[str] = ...) -> None: ...
 
 class GetTimingsRequest(_message.Message):
     __slots__ = ()
@@ -495,16 +509,18 @@ class WorkerTrace(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., spans: _Optional[_Iterable[_Union[TraceSpan, _Mapping]]] = ..., offset_s: _Optional[float] = ..., offset_error_s: _Optional[float] = ...) -> None: ...
 
 class TraceResult(_message.Message):
-    __slots__ = ("first_step_id", "steps", "workers", "missing")
+    __slots__ = ("first_step_id", "steps", "workers", "missing", "problems")
     FIRST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     first_step_id: int
     steps: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerTrace]
     missing: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, first_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerTrace, _Mapping]]] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, first_step_id: _Optional[int] = ..., steps: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerTrace, _Mapping]]] = ..., missing: _Optional[_Iterable[str]] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("role",)

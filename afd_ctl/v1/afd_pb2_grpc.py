@@ -247,8 +247,9 @@ class AFDInspectServicer:
 
     def Trace(self, request, context):
         """Records the next `steps` steps on every worker and returns their spans, clocks aligned
-        to the daemon's (`afd-ctl trace`). FAILED_PRECONDITION when the set is incomplete or a
-        trace is already running; DEADLINE_EXCEEDED when no worker answered in time.
+        to the daemon's (`afd-ctl trace`). FAILED_PRECONDITION when the set is incomplete, a
+        trace is already running, or no step ran for 5 s (an idle pair); DEADLINE_EXCEEDED when
+        no worker answered in time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

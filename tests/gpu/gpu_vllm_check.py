@@ -333,6 +333,8 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
         else:
             case.row["answered"] = all(g["token_ids"] for g in got)
             case.row["afd_texts"] = [g["text"] for g in got]
+        # What an operator sees of this pair: each worker's path and step timings (issue 32).
+        case.row["status_loads"] = status_loads(daemon.address)
         stop_attention(attention, ffns)
         case.row["ffn_exit_codes"] = [f.popen.returncode for f in ffns]
         case.row["ffn_stats"] = [stats_line(f.log(), "stats") for f in ffns]
@@ -357,6 +359,20 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
     return case.finish(results)
 
 
+def status_loads(address: str) -> list[dict[str, Any]]:
+    """`afd-ctl status --json`'s per-worker step timings (LOAD), as an operator reads them."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", "status", "--json", "--controller", address],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    try:
+        return list(json.loads(done.stdout).get("loads", []))
+    except ValueError:
+        return [{"error": (done.stderr or done.stdout)[-500:]}]
+
+
 def _exchange_path(log: str) -> str | None:
     """ "gpu" or "nixl", from the worker's "afd data path" log line (the last connect's)."""
     found = re.findall(r"afd data path: .* uses the (GPU-driven|host-driven NIXL) exchange", log)
@@ -378,6 +394,12 @@ def graphs_follow_flags(row: dict[str, Any], mode: str) -> bool | None:
         return None
     if mode == "eager":
         return ffn.get("graph_captures", 0) == 0 and ffn.get("graph_replay_steps", 0) == 0
+    if row.get("exchange_path") == "gpu":  # whole-step graphs: FULL-graph captures count too
+        return (
+            ffn.get("graph_keys") == flags.get("all_capture_keys")
+            and ffn.get("step_graph_late_captures", 0) == 0
+            and ffn.get("step_graph_replays", 0) > 0
+        )
     return (
         ffn.get("graph_keys") == flags.get("capture_keys")
         and ffn.get("graph_capture_steps") == flags.get("capture_steps")

@@ -3,7 +3,7 @@
 # each under its own time bound, logs and JSON into $OUT. Run it inside tests/gpu/with_mps.sh
 # on one GPU (the attention and FFN processes then run concurrently).
 #
-#   bash tests/gpu/speed_steps.sh STEP...   STEP: hop pairs failure e2e ep
+#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop pairs failure e2e e2e_il ep
 #
 # MODELS (default 2) and MODES (default default,full_decode_only) narrow the pairs step;
 # E2E_ARGS are extra benchmarks/e2e_decode.py arguments.
@@ -18,6 +18,19 @@ rc=0
 for step in "$@"; do
   echo "== $step ($(date +%T))"
   case $step in
+    units)
+      # The CPU suite's GPU-only tests (FFN graphs) and the GPU step verdicts on a real stream.
+      timeout 240 python3 -m pytest -q tests/test_ffn_graphs.py tests/test_gpu_step_verdicts.py \
+        -k "not reach" > "$OUT/units.txt" 2>&1 || rc=1
+      tail -3 "$OUT/units.txt" ;;
+    e2e_il)
+      # Colocated and AFD up at once, interleaved per batch; one depth per call (the state
+      # file keeps the others); E2E_ARGS e.g. "--depths 2,3 --cudagraph-mode FULL_DECODE_ONLY".
+      # shellcheck disable=SC2086
+      timeout "${E2E_S:-560}" python3 "$ROOT/benchmarks/e2e_decode.py" --gpu --one-gpu \
+        --interleave --one-depth-per-call --state "$OUT/e2e_il_state.json" ${E2E_ARGS:-} \
+        > "$OUT/e2e_il.txt" 2>&1 || rc=1
+      tail -1 "$OUT/e2e_il.txt" | cut -c1-4000 ;;
     hop)
       timeout 180 python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 1000 \
         > "$OUT/hop.txt" 2>&1 || rc=1

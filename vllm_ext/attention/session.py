@@ -1,6 +1,7 @@
 """One attention worker's AFD session: its link to afd-ctl (registration, views, reconnects,
-stop), its data plane, and the step state machine the runner drives (`steps`,
-vllm_ext.attention.steps). Every wait is bounded and fails with the reason.
+stop), its data plane and exchange (vllm_ext.exchange), and the step state machine the runner
+drives (`steps`, vllm_ext.attention.steps), to which it is the `StepLink`. Every wait is bounded
+and fails with the reason.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import torch
 
 from afd_ctl.errors import AfdNotReady, AfdTimeout
 from afd_ctl.routing import Role
+from afd_ctl.step import Step
 from vllm_ext import model_split
-from vllm_ext.attention.steps import AttentionSteps
+from vllm_ext.attention.steps import AttentionSteps, RankShape, Steps
 from vllm_ext.attention.tp_group import FollowerSteps
 from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
-from vllm_ext.exchange.nixl import AttentionExchange
+from vllm_ext.exchange.base import AttentionExchange
+from vllm_ext.exchange.data_plane import DataPlane
+from vllm_ext.exchange.factory import Exchanges, attention_exchanges
 from vllm_ext.metrics import AttentionMetrics, worker_files
 from vllm_ext.peer_link import PeerLink, expected_counts
 from vllm_ext.step_profiler import StepProfiler
@@ -44,23 +48,39 @@ class AttentionSession:
         # for the group; the others take its FFN outputs (vllm_ext.attention.tp_group).
         self.tp_rank: int = _tp_rank() if self.tp_size > 1 else 0
         self.leader = self.tp_rank == 0
-        self.worker_id = _worker_id(afd.worker_id, self.dp_rank, self.dp_size, self.tp_rank,
-                                    self.tp_size)  # fmt: skip
+        self.worker_id = _worker_id(
+            afd.worker_id, self.dp_rank, self.dp_size, self.tp_rank, self.tp_size
+        )
         hf = vllm_config.model_config.hf_config
         self.num_layers: int = hf.num_hidden_layers
         self.hidden_size: int = hf.hidden_size
         self.dtype: torch.dtype = vllm_config.model_config.dtype
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
-        self._link: PeerLink | None = None
+        self._link: PeerLink[AttentionExchange] | None = None
         self.client: Any = None  # self._link.client
-        self.data_plane: AttentionExchange | None = None
+        self.exchanges: Exchanges[AttentionExchange] | None = None
         self.is_sender = False
         self._lock = threading.Lock()
         self.profiler: Any = None
         self.metrics = AttentionMetrics(None)
         # The step state machine (vllm_ext.attention.steps): the runner drives it.
-        self.steps: Any = AttentionSteps(self) if self.leader else FollowerSteps()
-        self._path: str | None = None  # a TP follower's: its leader's (set_path)
+        self.steps: Steps
+        if self.leader:
+            shape = RankShape(
+                self.worker_id,
+                self.dp_rank,
+                self.dp_size,
+                self.num_layers,
+                self.hidden_size,
+                self.dtype,
+                recoverable=self.tp_size == 1,
+            )
+            self._steps: AttentionSteps | None = AttentionSteps(self, shape)
+            self.steps = self._steps
+        else:
+            self._steps = None
+            self.steps = FollowerSteps()
+        self._full_graphs: bool | None = None  # a TP follower's: its leader's (set_full_graphs)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -91,7 +111,8 @@ class AttentionSession:
                 f"with --expect-attention {self.dp_size}"
             )
         self.role_rank = self.dp_rank
-        self.data_plane = AttentionExchange(
+        plane = DataPlane(
+            Role.ATTENTION,
             name=self.worker_id,
             rank=self.role_rank,
             dtype=model_config.dtype,
@@ -107,6 +128,7 @@ class AttentionSession:
             # (AFD_DATA_NUM_STAGES, 1).
             num_stages=2 if self.vllm_config.parallel_config.enable_dbo else None,
         )
+        self.exchanges = attention_exchanges(plane)
         spec = WorkerSpec(
             worker_id=self.worker_id,
             role=Role.ATTENTION,
@@ -114,7 +136,7 @@ class AttentionSession:
             dp_size=self.dp_size,
         )
         self._link = PeerLink(
-            access, spec, self.data_plane, f"attention rank {self.role_rank}", self.vllm_config
+            access, spec, self.exchanges, f"attention rank {self.role_rank}", self.vllm_config
         )
         self.client, self._loss_watch = self._link.client, self._link.loss_watch
         registered = self._link.register(timeout_s=afd.connect_timeout_s)
@@ -125,12 +147,10 @@ class AttentionSession:
                 f"afd-ctl assigned attention rank {registered.worker.role_rank}, the data plane "
                 f"was built for rank {self.role_rank}"
             )
-        self._link.connect(view)
         self.metrics = AttentionMetrics(worker_files())
-        self.data_plane.metrics = self.metrics
-        self.metrics.connected(
-            view.epoch, reconnect=False, gpu_driven=self.data_plane.path == "gpu"
-        )
+        self.exchanges.reporting.metrics = self.metrics
+        self._link.connect(view)
+        self.metrics.connected(view.epoch, reconnect=False, gpu_driven=self.exchanges.gpu_driven)
         log.info(
             "afd attention %s: rank %d of %d, epoch %d, %d ffn peer(s), sender=%s, %s",
             self.worker_id,
@@ -145,45 +165,65 @@ class AttentionSession:
             self.profiler = StepProfiler(afd, f"attention-{self.dp_rank}")
 
     @property
-    def exchange_path(self) -> str:
-        """ "gpu" or "nixl": the path the data plane chose at connect (a TP follower's: its
-        leader's, once set_path said it)."""
-        if self.data_plane is not None:
-            return str(self.data_plane.path)
-        return self._path or "nixl"
+    def full_graphs(self) -> bool:
+        """FULL CUDA graphs can hold the exchange the data plane chose at connect (a TP
+        follower's: its leader's, once set_full_graphs said it)."""
+        if self._link is not None and self._link.exchange is not None:
+            return self._link.exchange.full_graphs
+        return bool(self._full_graphs)
 
-    def set_path(self, path: str) -> None:
-        self._path = path
+    def set_full_graphs(self, full_graphs: bool) -> None:
+        self._full_graphs = full_graphs
 
     def stats(self) -> dict[str, float]:
-        """The data plane's per-layer split on this rank (see AttentionExchange.stats)."""
-        return self.data_plane.stats() if self.data_plane is not None else {}
+        """The exchange's per-layer split on this rank (see its stats())."""
+        exchange = self._link.exchange if self._link is not None else None
+        return exchange.stats() if exchange is not None else {}
+
+    # -- the step machine's link (vllm_ext.attention.steps.StepLink) ---------------------------
+    def exchange_for_step(self) -> AttentionExchange:
+        if self._link is None or self.client is None:
+            raise RuntimeError("afd: attention session is closed")
+        if self._link.exchange is not None:
+            self._link.exchange.raise_failure()  # steps in flight failed: this one fails now
+        self.ensure_connected()
+        assert self._link.exchange is not None
+        return self._link.exchange
+
+    def publish(self, step: Step) -> None:
+        if self.is_sender:
+            self.client.publish(step.to_payload())
+
+    def step_opened(self, step_id: int) -> None:
+        if self.profiler is not None:
+            self.profiler.step(step_id)
+
+    def step_closed(self) -> None:
+        self.metrics.flush()
 
     def close(self) -> None:
         """Publishes stop (sender only), then leaves the daemon; idempotent."""
         atexit.unregister(self.close)
         with self._lock:
             client, self.client = self.client, None
-            exchange, self.data_plane = self.data_plane, None
+            exchanges, self.exchanges = self.exchanges, None
         if client is not None:
-            log.info("afd attention %s: afd attention flags %s", self.worker_id,
-                     json.dumps(self.steps.flag_counts))  # fmt: skip
+            flags = json.dumps(self.steps.flag_counts)
+            log.info("afd attention %s: afd attention flags %s", self.worker_id, flags)
             try:
-                if self.is_sender:
+                if self.is_sender and self._steps is not None:
                     from afd_ctl.v1 import afd_pb2
 
-                    self.steps.step_id += 1
-                    client.publish(afd_pb2.AFDControlPayload(step_id=self.steps.step_id, stop=True))
+                    step_id = self._steps.next_step_id()
+                    client.publish(afd_pb2.AFDControlPayload(step_id=step_id, stop=True))
                     client.flush(timeout_s=5.0)
-                    log.info(
-                        "afd attention %s: sent stop at step %d", self.worker_id, self.steps.step_id
-                    )
+                    log.info("afd attention %s: sent stop at step %d", self.worker_id, step_id)
             except Exception as exc:  # shutting down: report, never raise
                 log.warning("afd attention %s: stop not delivered: %s", self.worker_id, exc)
             client.close(reason="attention server shutting down")
-        if exchange is not None:
+        if exchanges is not None:
             try:
-                exchange.close()
+                exchanges.close()
             except Exception as exc:  # shutting down: report, never raise
                 log.warning("afd attention %s: data plane close: %s", self.worker_id, exc)
 
@@ -194,10 +234,9 @@ class AttentionSession:
         A loss only this data plane saw (afd-ctl still has everyone alive in the same epoch,
         so no newer view would ever come) makes this worker rejoin afd-ctl once it has lasted
         `rejoin_after_s` (afd_data.rendezvous.StuckLossWatch)."""
-        assert self.data_plane is not None and self.client is not None
-        assert self._loss_watch is not None
-        assert self._link is not None
-        transport = self.data_plane.transport
+        assert self.client is not None and self._loss_watch is not None
+        assert self._link is not None and self.exchanges is not None
+        transport = self._link.plane.transport
         if self._link.in_step():
             self._loss_watch.reset()
             return
@@ -225,7 +264,7 @@ class AttentionSession:
             ) from None
         self.client.discard_rejections()  # refusals of payloads from before the reconnect
         self._link.connect(view)
-        self.metrics.connected(view.epoch, reconnect=True, gpu_driven=self.data_plane.path == "gpu")
+        self.metrics.connected(view.epoch, reconnect=True, gpu_driven=self.exchanges.gpu_driven)
         log.warning(
             "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",
             self.worker_id,

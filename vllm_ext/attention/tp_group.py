@@ -22,11 +22,10 @@ from typing import Any
 import torch
 
 from vllm_ext import compat
+from vllm_ext.attention.verdicts import Verdict, nothing
 from vllm_ext.model_split import Exchange
 
 log = logging.getLogger(__name__)
-
-_PATHS = ("nixl", "gpu")
 
 
 def group_exchange(leader_exchange: Exchange | None) -> Exchange:
@@ -46,26 +45,28 @@ def group_exchange(leader_exchange: Exchange | None) -> Exchange:
     return exchange
 
 
-def agreed_path(leader_path: str | None) -> str:
-    """The exchange path the leader's data plane chose at connect, on every TP rank (each must
-    pick the same CUDA graph mode): `leader_path` on the leader, None on the others."""
-    mine = _PATHS.index(leader_path) + 1 if leader_path is not None else 0
+def agreed_full_graphs(leader_full_graphs: bool | None) -> bool:
+    """Whether FULL CUDA graphs can hold the leader's exchange (as chosen at connect), on every
+    TP rank (each must pick the same CUDA graph mode): the leader's answer on the leader, None
+    on the others."""
+    mine = 0 if leader_full_graphs is None else 1 + int(leader_full_graphs)
     total = compat.seams().tensor_parallel_sum_on_host(mine)
     if total not in (1, 2):
         raise RuntimeError(
-            f"afd: the TP group did not agree on one leader's exchange path (sum {total}); "
-            "vllm_ext bug"
+            f"afd: the TP group did not agree on one leader's exchange (sum {total}); vllm_ext bug"
         )
-    return _PATHS[total - 1]
+    return total == 2
 
 
 class FollowerSteps:
-    """The step calls a TP rank other than the leader gets from vLLM's runner: it checks
-    that each forward runs the rows its step was opened for, and nothing else (the leader
-    publishes and exchanges for the group)."""
+    """The step calls a TP rank other than the leader gets from vLLM's runner (the
+    vllm_ext.attention.steps.Steps protocol): it checks that each forward runs the rows its
+    step was opened for, and nothing else (the leader publishes, exchanges and settles for the
+    group)."""
 
     def __init__(self) -> None:
         self.step_id = 0
+        self.flag_counts: dict[str, int] = {}
         self._rows: list[int] = []
 
     def open_step(
@@ -93,4 +94,10 @@ class FollowerSteps:
         return None
 
     def raise_stage_failure(self) -> None:
+        return None
+
+    def take_verdict(self) -> Verdict:
+        return nothing
+
+    def settle_now(self) -> None:
         return None

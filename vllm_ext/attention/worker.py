@@ -29,18 +29,18 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from afd_ctl.step import StepFlags
 from vllm_ext import compat, hooks, model_split
 from vllm_ext.attention import tp_group
 from vllm_ext.attention.session import AttentionSession
 from vllm_ext.attention.step_failures import AfdStepFailed
-from vllm_ext.attention.steps import StepFlags
 from vllm_ext.config import from_vllm_config
 from vllm_ext.model_split import attention_split
 
 log = logging.getLogger(__name__)
 
 
-class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,name-defined]
+class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc]
     """Mixed in front of the platform's V1 model runner (GPUModelRunner or CPUModelRunner);
     compat's RunnerSeam overrides vLLM's private methods and calls the afd_* hooks below."""
 
@@ -52,37 +52,38 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
     _afd_one_rank_micro_batches = False
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        afd = from_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
+        afd = from_vllm_config(self.vllm_config)
         if afd is None:
             raise RuntimeError("AfdAttentionWorker without an afd section in additional_config")
-        with attention_split(self.vllm_config, gate_here=afd.gate == "attention"):  # type: ignore[attr-defined]
-            super().load_model(*args, **kwargs)  # type: ignore[misc]
-        built = self.get_model()  # type: ignore[attr-defined]
+        with attention_split(self.vllm_config, gate_here=afd.gate == "attention"):
+            super().load_model(*args, **kwargs)
+        built = self.get_model()
         if not model_split.proxies(built):
             raise RuntimeError(
                 f"afd attention: vLLM built {type(built).__name__} with no AFD proxy, so "
                 "it would run every FFN here; its family module (vllm_ext/families) must "
                 "split it: see vllm_ext/README.md, 'Adding a model family'"
             )
-        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        parallel = self.vllm_config.parallel_config
         self._afd_one_rank_micro_batches = (
             parallel.use_ubatching and parallel.data_parallel_size == 1
         )
         if self._afd_one_rank_micro_batches:
             compat.seams().allow_micro_batches_at_one_rank(self)
-        session = AttentionSession(self.vllm_config, afd)  # type: ignore[attr-defined]
+        session = AttentionSession(self.vllm_config, afd)
         session.start()
         self._afd_session = session
-        exchange = session.steps.exchange if session.leader else None
+        steps = session._steps
+        exchange: model_split.Exchange | None = steps.exchange if steps is not None else None
         if session.tp_size > 1:  # one exchange per TP group (vllm_ext.attention.tp_group)
-            session.set_path(
-                tp_group.agreed_path(session.exchange_path if session.leader else None)
+            session.set_full_graphs(
+                tp_group.agreed_full_graphs(session.full_graphs if session.leader else None)
             )
             exchange = tp_group.group_exchange(exchange)
         model_split.bind_proxies(built, exchange)  # the op finds them by name
-        # The exchange path is known now, before vLLM resolves its CUDA graph mode (at KV
-        # cache set-up): FULL graphs need the GPU-driven exchange.
-        hooks.graphs_for_exchange_path(self.vllm_config, session.exchange_path)  # type: ignore[attr-defined]
+        # The exchange is known now, before vLLM resolves its CUDA graph mode (at KV cache
+        # set-up): FULL graphs need one that only enqueues GPU work.
+        hooks.graphs_for_exchange(self.vllm_config, session.full_graphs)
         # On the model itself, not on vLLM's wrapper (UBatchWrapper under --enable-dbo): under
         # dual-batch overlap the hooks run once per micro-batch.
         built.register_forward_pre_hook(self._afd_begin_step, with_kwargs=True)
@@ -118,6 +119,14 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
         self._afd_session.steps.raise_stage_failure()
         self._afd_session.steps.finish_forward()  # a replayed FULL graph ran no forward hooks
 
+    def afd_sampled(self, output: Any) -> Any:
+        """vLLM sampled the last step (sample_tokens returned `output`): the verdict of the
+        steps closed since the previous sampling is checked where their tokens are first read
+        (at once for a synchronous output, inside get_output for an asynchronous one)."""
+        assert self._afd_session is not None
+        verdict = self._afd_session.steps.take_verdict()
+        return compat.seams().check_before_tokens(output, verdict)
+
     def _afd_begin_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         assert self._afd_session is not None
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
@@ -141,6 +150,7 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc,n
             yield
             if self._afd_session is not None:
                 self._afd_session.steps.finish_forward()  # a replayed FULL graph ran no hooks
+                self._afd_session.steps.settle_now()  # no sampling follows a dummy run
         finally:
             self._afd_flags = None
 
@@ -157,7 +167,7 @@ def _runner_cls(base: type) -> type:
 _BaseWorker: type = compat.seams().base_worker_class()
 
 
-class AfdAttentionWorker(_BaseWorker):  # type: ignore[misc,valid-type]
+class AfdAttentionWorker(_BaseWorker):
     """The platform's worker whose model runner is the AFD attention runner."""
 
     def init_device(self) -> None:

@@ -73,6 +73,4 @@ SEAMS = (
 )
 
 # (module, attribute path, parameters relied on): every seam's, checked against the installed vLLM.
-SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
-    target for seam in SEAMS for target in seam.SIGNATURES
-]
+SIGNATURES = [target for seam in SEAMS for target in seam.SIGNATURES]

@@ -45,7 +45,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def api_server_classes() -> tuple[type, type]:
+def api_server_classes() -> tuple[Any, Any]:
     """(AsyncLLM, GenerateBaseServing): `check_health` answers /health; `_raise_if_error`
     turns a request finished with an error into the HTTP error, and
     `_convert_generation_error_to_streaming_response` into a stream's error event."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from types import ModuleType
 from typing import Any
 
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
@@ -46,7 +45,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def deepseek_v2_module() -> ModuleType:
+def deepseek_v2_module() -> Any:
     """vllm/model_executor/models/deepseek_v2.py: DeepseekV2DecoderLayer (its constructor
     builds `DeepseekV2MoE`/`DeepseekV2MLP` by module-global name), DeepseekV2Model.load_weights,
     _get_moe_router_dtype, rocm_aiter_ops."""
@@ -55,7 +54,7 @@ def deepseek_v2_module() -> ModuleType:
     return deepseek_v2
 
 
-def gate_linear_class() -> type:
+def gate_linear_class() -> Any:
     """The MoE router gate DeepseekV2MoE builds (returns (logits, bias))."""
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 

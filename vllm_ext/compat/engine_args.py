@@ -31,7 +31,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def engine_args_classes() -> tuple[type, type]:
+def engine_args_classes() -> tuple[Any, Any]:
     """(EngineArgs, AsyncEngineArgs): vllm/engine/arg_utils.py; their add_cli_args,
     from_cli_args and create_engine_config are where flags and the engine config are made."""
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
@@ -48,7 +48,7 @@ def serve_usage_context() -> Any:
     return UsageContext.OPENAI_API_SERVER
 
 
-def flexible_argument_parser() -> type:
+def flexible_argument_parser() -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     return FlexibleArgumentParser
@@ -72,7 +72,7 @@ def pin_v1_model_runner() -> str | None:
     return None
 
 
-def compilation_enums() -> tuple[type, type]:
+def compilation_enums() -> tuple[Any, Any]:
     """(CUDAGraphMode, CompilationMode): vllm/config/compilation.py."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
@@ -31,7 +30,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def loaded_engine_core_module() -> ModuleType | None:
+def loaded_engine_core_module() -> Any:
     """vllm/v1/engine/core.py, only in engine-core processes (they load plugins from
     EngineCore.__init__): EngineCore.step/step_with_batch_queue/execute_dummy_batch/shutdown
     and the busy loops of EngineCoreProc/DPEngineCoreProc."""
@@ -45,7 +44,7 @@ def finish_requests_with_error(scheduler: Any, request_ids: list[str]) -> list[A
     return list(scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR))
 
 
-def engine_core_outputs_classes() -> tuple[type, type]:
+def engine_core_outputs_classes() -> tuple[Any, Any]:
     """(EngineCoreOutput, EngineCoreOutputs): what EngineCore.step returns per client."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 

@@ -3,6 +3,8 @@
 `_model_forward`, `_dummy_run`; CPUModelRunner inherits them) and the tuple the first returns;
 its `execute_model`, only to settle a failed step's KV connector work (`kv_connector`).
 
+`sample_tokens` is where a step's sampled tokens leave the runner: the AFD verdict of a
+GPU-driven step (only enqueued when it closed) is checked where they are first read.
 Why: `_determine_batch_execution_and_padding` is where vLLM fixes a step's padded token
 counts (every DP rank's too) in execute_model and _dummy_run alike: the AFD step opens there,
 so its payload travels while the inputs are prepared. `_model_forward` is the model call on
@@ -33,7 +35,31 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.load_model", ("self",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward", ("self",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", ("self",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", ("self",)),
+    ("vllm.v1.outputs", "AsyncModelRunnerOutput.get_output", ("self",)),
 ]
+
+
+def check_before_tokens(output: Any, check: Any) -> Any:
+    """Runs `check()` where vLLM first reads the sampled tokens in `output` (what
+    GPUModelRunner.sample_tokens returned): at once for a ModelRunnerOutput (its tokens were
+    synchronised inside sample_tokens), inside get_output() for an AsyncModelRunnerOutput (async
+    scheduling: the copy is waited for there), after vLLM's own wait. A check that raises keeps
+    the tokens from the scheduler, and so from every client."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    if not isinstance(output, AsyncModelRunnerOutput):
+        check()
+        return output
+    get_output = output.get_output
+
+    def checked_get_output() -> Any:
+        result = get_output()
+        check()
+        return result
+
+    output.get_output = checked_get_output
+    return output
 
 
 def padding_decision(result: tuple) -> tuple[int, list[int] | None, str, bool]:
@@ -94,6 +120,12 @@ class RunnerSeam:
         ):
             return super()._dummy_run(num_tokens, *args, **kwargs)  # type: ignore[misc]
 
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM samples the step it ran; with async scheduling the tokens reach the host only
+        in the output's get_output()."""
+        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        return self.afd_sampled(output)
+
     def afd_padding_decided(self, result: tuple, args: tuple, kwargs: dict[str, Any]) -> tuple:
         """`result` of _determine_batch_execution_and_padding(*args, **kwargs) (read it with
         padding_decision); returns what the runner goes on with."""
@@ -101,6 +133,10 @@ class RunnerSeam:
 
     def afd_forward_done(self) -> None:
         """After the model call returned on the runner's thread."""
+
+    def afd_sampled(self, output: Any) -> Any:
+        """What sample_tokens returned; returns what vLLM goes on with."""
+        return output
 
     def afd_dummy_run(self, is_profile: bool, is_graph_capturing: bool) -> Any:
         """A context manager around one dummy run."""

@@ -12,7 +12,6 @@ Remove when: never as a whole; each signature goes with the family code that use
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
@@ -45,7 +44,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
             "prefix",
             "dual_chunk_attention_config",
         ),
-    ),  # fmt: skip
+    ),
     (
         "vllm.model_executor.models.qwen3_moe",
         "Qwen3MoeSparseMoeBlock.__init__",
@@ -75,7 +74,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def model_module(name: str) -> ModuleType:
+def model_module(name: str) -> Any:
     """vllm/model_executor/models/<name>.py: a model family's own classes, which the family's
     split (vllm_ext/families/) builds its halves from (their targets are in SIGNATURES)."""
     import importlib

@@ -8,6 +8,8 @@ Remove when: never (it is the public API).
 
 from __future__ import annotations
 
+from typing import Any
+
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
 SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vllm", "LLM.generate", ("self", "prompts", "sampling_params")),
@@ -15,7 +17,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def offline_llm_classes() -> tuple[type, type]:
+def offline_llm_classes() -> tuple[Any, Any]:
     """(LLM, SamplingParams): vLLM's public offline API, for vllm_ext.testing's reference and
     benchmark runs (public, but reached here like everything else of vLLM)."""
     from vllm import LLM, SamplingParams

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 # (module, attribute path, parameters relied on): checked against the installed vLLM.
@@ -21,7 +20,7 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def loaded_serve_module() -> ModuleType | None:
+def loaded_serve_module() -> Any:
     """vllm/entrypoints/cli/serve.py, only where the `vllm` CLI already imported it (plugins
     load after it there); ServeSubcommand.cmd is what `vllm serve` runs."""
     return sys.modules.get("vllm.entrypoints.cli.serve")

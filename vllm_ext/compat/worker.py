@@ -36,7 +36,7 @@ def on_cpu() -> bool:
     return current_platform().device_type == "cpu"
 
 
-def base_worker_class() -> type:
+def base_worker_class() -> Any:
     """The platform's worker class (what `--worker-cls auto` would pick)."""
     if on_cpu():
         from vllm.v1.worker.cpu_worker import CPUWorker
@@ -61,7 +61,7 @@ def runner_class_swapped(make_runner_cls: Callable[[type], type]) -> Iterator[No
 
         name = "CPUModelRunner"
     else:
-        from vllm.v1.worker import gpu_model_runner as module  # type: ignore[no-redef]
+        from vllm.v1.worker import gpu_model_runner as module
 
         name = "GPUModelRunner"
     original = getattr(module, name, None)

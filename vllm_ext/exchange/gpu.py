@@ -1,147 +1,298 @@
-"""The GPU-driven hop (afd_data.gpu_hop) as both roles of the vLLM extension drive it.
+"""The GPU-driven exchange (afd_data.gpu_hop): the GPUs run the per-layer hop themselves with
+stream-ordered copies and flag words, so nothing in a layer waits on a host.
 
-`GpuPath` sits beside a worker's NixlTransport (vllm_ext.exchange.nixl): the transport connects the
-peers and follows epochs; at every connect `GpuPath.connect` chooses the path (peers on this
-host with CUDA buffers: the GPU drives the hop; else NIXL) and says which in the log.
+Attention side: `post` and `take` only enqueue their halves of a layer's round trip on the
+current CUDA stream (vLLM's FULL decode graphs capture them); `end_step` records the step's end
+and returns at once, so vLLM's host goes on to schedule and prepare the next step while the
+GPUs run this one (its async scheduling survives). A watchdog thread (vllm_ext.exchange.
+gpu_watchdog) releases a step stuck on a lost peer or past its bound with poison, and the
+step's verdict (`settle`) is asked where vLLM first reads its sampled tokens: a failed step's
+tokens never reach a client.
 
-Attention side: `exchange` enqueues one layer's round trip on the current CUDA stream, with no
-host wait, so vLLM can capture it inside FULL decode graphs; `end_step` waits for the step's
-end on the host (bounded), poisoning the flags once a peer is lost or the bound passes, and
-fails the step then, before vLLM reads its outputs.
-
-FFN side: `run_layer` enqueues a layer (wait for the rows, compute, answer); `step_enqueued`
-marks the step's end and the host goes on to the next payload at once; `check` notices a step
-that overran its bound; `drain` releases and empties the stream before a reconnect (the FFN side
-maps its attention peers' buffers, so it must not touch them across a change of peers).
+FFN side: `run_step` enqueues every layer of the step (wait for the rows, compute, answer) at
+once, or launches it as one CUDA graph (vllm_ext.exchange.gpu_graphs), and the host goes on to
+the next payload; `check`, between payloads, notices a step that failed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from afd_ctl.errors import AfdTimeout
+from afd_ctl.step import CAPTURE, EAGER, Step
 from afd_data.errors import AfdPeerLost
+from afd_data.gpu_protocol import GPU
 from afd_data.step_plan import StepPlan, plan_step, validate_counts
+from vllm_ext.exchange.base import StepSplit
+from vllm_ext.exchange.data_plane import DataPlane
+from vllm_ext.exchange.gpu_graphs import FfnStepGraphs
+from vllm_ext.exchange.gpu_watchdog import LOST, InFlight, StepWatchdog, failure_error
+from vllm_ext.exchange.timeline import Timeline
+from vllm_ext.exchange.timing import Reporting
 
 log = logging.getLogger(__name__)
 
+RECENT_STEPS = 1000
 
-class GpuPath:
-    def __init__(self, transport: Any) -> None:
-        from afd_data.gpu_hop import GpuHop
 
-        parts = transport._p
-        self.transport = transport
-        self.hop = GpuHop(transport.role, transport.role_rank, transport.config, parts.layout,
-                          parts.local)  # fmt: skip
-        self._inflight: deque[tuple[Any, float, float, int]] = deque()
+class CudaEvent:
+    """A timing CUDA event as the watchdog reads it."""
 
-    @property
-    def active(self) -> bool:
-        return self.hop.path == "gpu"
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
 
-    def connect(self, epoch: int, timeout_s: float) -> None:
-        """After the transport reconnected (the caller drained this stream before that)."""
-        peers = [(p.pos, p.blob) for p in self.transport._p.peers.peers]
-        choice = self.hop.connect(epoch, peers, timeout_s, self._idle)
-        log.info(
-            "afd data path: %s rank %d uses the %s exchange to its %d peer(s) at epoch %d (%s)",
-            self.transport.role.label,
-            self.transport.role_rank,
-            "GPU-driven" if choice.path == "gpu" else "host-driven NIXL",
-            len(peers),
-            epoch,
-            choice.reason,
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+    def elapsed_s(self, end: Any) -> float:
+        return float(self.event.elapsed_time(end.event)) / 1e3
+
+
+def _stream() -> int:
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+class _GpuSide:
+    """What both roles' GPU-driven exchanges share: the plane, the watchdog, reports."""
+
+    path = GPU
+
+    def __init__(self, plane: DataPlane, reporting: Reporting) -> None:
+        self.plane = plane
+        self.hop = plane.hop
+        self.device = plane.device
+        self.reporting = reporting
+        self.bound_s = plane.timeout_s
+        self.watchdog = StepWatchdog(
+            poison=self.hop.poison, lost=plane.lost_reason, mark_lost=plane.mark_lost
         )
+        config = plane.config
+        self._row_bytes = config.hidden_size * config.itemsize
+        self._row_bytes += config.router_width * config.router_itemsize
+        self._gpu_s: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.timeline = Timeline(plane.role.label, plane.rank)
 
-    def _idle(self) -> None:
-        """While connect waits for the peers' drained marks: NIXL progresses, and a peer lost
-        meanwhile (it failed to map this buffer and left) ends the wait at once."""
-        self.transport.poll_idle()
-        lost = self.transport.lost
-        if lost is not None:
-            raise lost
+    def _report_retired(self) -> None:
+        """Steps that ran to their end, into the step timings (on the host's thread)."""
+        timings = self.reporting.timings
+        for retired in self.watchdog.take_retired():
+            if retired.gpu_s > 0:
+                self._gpu_s.append(retired.gpu_s)
+            if timings is not None:
+                timings.gpu_step(retired)
+            self.timeline.step(retired)
 
-    def plan(self, counts: list[list[int]]) -> StepPlan:
-        config = self.transport.config
-        return plan_step(config, self.transport.role, self.transport.role_rank,
-                         validate_counts(config, counts))  # fmt: skip
+    def _nbytes(self, rows: int) -> int:
+        """Bytes both ways over every layer of a step of `rows` rows."""
+        timings = self.reporting.timings
+        layers = timings.reporter.layers if timings is not None else 0
+        return 2 * rows * self._row_bytes * layers
 
-    def _lost(self) -> str | None:
-        lost = self.transport.lost
-        return None if lost is None else str(lost).removeprefix("afd peer lost: ")
-
-    # -- attention --------------------------------------------------------------------------
-    def exchange(self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None,
-                 out: torch.Tensor) -> None:  # fmt: skip
-        self.hop.exchange(
-            layer, stage, hidden, router, out, torch.cuda.current_stream().cuda_stream
-        )
-
-    def end_step(self, bound_s: float) -> None:
-        """After the step's forward was enqueued: waits for it on the host; raises AfdPeerLost
-        or AfdTimeout (the step failed) once it had to be poisoned."""
-        if torch.cuda.is_current_stream_capturing():
-            return  # a captured forward runs nothing now
-        done = torch.cuda.Event()
-        done.record()
-        why = self.hop.drain(done.query, bound_s, self._lost)
-        if why is not None:
-            self._mark_lost(why)
-            raise AfdPeerLost(why) if why.startswith("afd peer lost") else AfdTimeout(why)
-
-    def _mark_lost(self, why: str) -> None:
-        """A step that had to be released is a loss the transport keeps (every step fails at
-        once until a reconnect; a loss only this data plane saw makes the worker rejoin)."""
-        if self.transport.lost is None:
-            for rank in self.transport.peer_ranks[:1]:
-                self.transport.mark_peer_lost(self.transport.role.other, rank, why)
-
-    # -- FFN --------------------------------------------------------------------------------
-    def run_layer(self, layer: int, stage: int, plan: StepPlan, compute: Any) -> None:
-        self.hop.ffn_layer(layer, stage, plan.slices[stage],
-                           torch.cuda.current_stream().cuda_stream, compute)  # fmt: skip
-
-    def step_enqueued(self, step_id: int, bound_s: float) -> None:
-        done = torch.cuda.Event()
-        done.record()
-        self._inflight.append((done, time.monotonic(), bound_s, step_id))
-        self.check()
-
-    def check(self) -> None:
-        """Retires finished steps; a step past its bound (or a peer lost under it) is released
-        with poison and raises, as a data-plane loss."""
-        while self._inflight and self._inflight[0][0].query():
-            self._inflight.popleft()
-        if not self._inflight:
-            return
-        _, started, bound_s, step_id = self._inflight[0]
-        lost = self._lost()
-        if lost is None and time.monotonic() - started <= bound_s:
-            return
-        why = lost or f"step {step_id} did not finish within {bound_s:.1f} s on the GPU"
-        self.drain(why)
-        self._mark_lost(why)
-        raise AfdPeerLost(f"afd peer lost: {why}")
+    def _gpu_stats(self) -> dict[str, float]:
+        if not self._gpu_s:
+            return {}
+        ordered = sorted(self._gpu_s)
+        return {"gpu_ms_per_step_median": 1e3 * ordered[len(ordered) // 2]}
 
     def drain(self, reason: str) -> None:
-        """Empties the stream of every enqueued step, poisoning at once (nothing more is
-        coming for them)."""
-        if not self._inflight:
-            return
-        last = self._inflight[-1][0]
-        why = self.hop.drain(last.query, 0.0, lambda: reason)
-        self._inflight.clear()
-        if why:
-            log.warning("afd data path: released the GPU stream's waits: %s", reason)
+        """Before a reconnect or close: every enqueued step leaves the stream (released with
+        poison past the bound); then new steps may run again."""
+        self.watchdog.drain(reason, self.plane.warmup_timeout_s or self.plane.timeout_s)
+        self._report_retired()
+        self.watchdog.reset()
+
+    def connected(self) -> None:
+        """Nothing to do on the attention side (its graphs touch only its own memory)."""
 
     def close(self) -> None:
+        self.watchdog.stop()
+        self.timeline.close()
+
+
+class GpuAttentionExchange(_GpuSide):
+    full_graphs = True
+
+    def __init__(self, plane: DataPlane, reporting: Reporting) -> None:
+        super().__init__(plane, reporting)
+        device = torch.device(plane.device)
+        # Its driver calls (the poison) need the worker's CUDA device current on its thread.
+        self.watchdog.start(setup=lambda: torch.cuda.set_device(device))
+        self.exchanges = 0
+        self.settle_s = 0.0  # the host's waits for verdicts
+        self._step: Step | None = None
+        self._opened_at = 0.0
+        self._start: CudaEvent | None = None
+
+    def stats(self) -> dict[str, float]:
+        n = max(1, self.exchanges)
+        return {
+            "gpu_driven": 1.0,
+            "exchanges": self.exchanges,
+            "post_us_per_layer": 0.0,  # the host only enqueues
+            "wait_us_per_layer": 1e6 * self.settle_s / n,
+            "steps_in_flight": self.watchdog.in_flight,
+            **self._gpu_stats(),
+        }
+
+    def begin_step(self, step: Step) -> None:
+        self.plane.check_step(step)
+        validate_counts(self.plane.config, step.counts)
+        if self.watchdog.fatal is not None:
+            raise RuntimeError(self.watchdog.fatal)
+        self._report_retired()
+        self.bound_s = self.plane.bound_s(step)
+        self._step = step
+        self._opened_at = time.monotonic()
+        # A FULL-graph capture step records the exchange and runs nothing: no events.
+        self._start = None if step.flags.records_only else CudaEvent()
+
+    def post(
+        self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
+    ) -> None:
+        width = self.plane.config.router_width
+        if router is None and width:
+            router = torch.zeros(
+                hidden.shape[0], width, dtype=self.plane.router_dtype, device=hidden.device
+            )
+        self.hop.send(layer, stage, hidden, router, _stream())
+
+    def take(self, layer: int, stage: int, out: torch.Tensor) -> None:
+        self.hop.take(layer, stage, out, _stream())
+        self.exchanges += 1
+
+    def end_step(self) -> None:
+        """Closes the step without waiting: its end event goes to the watchdog."""
+        step, self._step = self._step, None
+        if step is None or self._start is None or torch.cuda.is_current_stream_capturing():
+            return  # a recorded FULL graph runs nothing now
+        now = time.monotonic()
+        rows = sum(max(1, row[self.plane.rank]) for row in step.counts)
+        self.watchdog.enqueue(
+            InFlight(
+                step.step_id,
+                self._start,
+                CudaEvent(),
+                self.bound_s,
+                enqueued_at=now,
+                host_s=now - self._opened_at,
+                tokens=rows,
+                nbytes=self._nbytes(rows),
+                warmup=step.warmup,
+            )
+        )
+        if self.reporting.timings is not None:
+            self.reporting.timings.host_span(step.step_id, self._opened_at, now)
+
+    def raise_failure(self) -> None:
+        why = self.watchdog.take_failure()
+        if why is not None:
+            raise failure_error(why)
+
+    def settle(self, step_ids: Sequence[int]) -> None:
+        t0 = time.perf_counter()
         try:
-            self.drain("closing")
+            self.watchdog.verdict(step_ids, self.bound_s)
         finally:
-            self.hop.close()
+            self.settle_s += time.perf_counter() - t0
+
+
+class GpuFfnExchange(_GpuSide):
+    def __init__(self, plane: DataPlane, reporting: Reporting, engine: Any, graphs: bool) -> None:
+        super().__init__(plane, reporting)
+        self.engine = engine
+        # A whole step as one CUDA graph (GPU, not eager).
+        self.step_graphs = FfnStepGraphs(enabled=graphs)
+
+    def stats(self) -> dict[str, float]:
+        stats: dict[str, float] = {**self.step_graphs.stats(), **self._gpu_stats()}
+        if self.step_graphs.captures:  # the GPU-driven path keys whole steps
+            stats["graph_keys"] = len(self.step_graphs.keys_in_capture_steps)
+        return stats
+
+    def connected(self) -> None:
+        self.step_graphs.reset()  # they hold the previous peers' mapped addresses
+
+    def run_step(self, step: Step) -> StepSplit:
+        """Every layer of `step` onto the stream at once (or its step graph launched); the host
+        moves on to the next payload. The host's time here is enqueueing, counted as compute."""
+        self.plane.check_step(step)
+        config = self.plane.config
+        counts = validate_counts(config, step.counts)
+        plan = plan_step(config, self.plane.role, self.plane.rank, counts)
+        warm_up, enqueue = self._step_ops(step, plan)
+        if step.flags.records_only:
+            # The attention side records a FULL graph for these counts and runs nothing: this
+            # side captures its step graph and runs nothing either.
+            if self.step_graphs.enabled:
+                with self.engine.step_scope():
+                    self.step_graphs.capture(step.graph_key, warm_up, enqueue)
+            return StepSplit()
+        self._report_retired()
+        self.bound_s = self.plane.bound_s(step)
+        t0 = time.perf_counter()
+        opened = time.monotonic()
+        start = CudaEvent()
+        mode = step.flags.graph_mode(self.step_graphs.enabled)
+        with self.engine.step_scope():
+            if mode != EAGER:
+                self.step_graphs.run(step.graph_key, mode == CAPTURE, warm_up, enqueue)
+            else:
+                enqueue()
+        now = time.monotonic()
+        rows = sum(plan.total_rows)
+        end = CudaEvent()
+        self.watchdog.enqueue(
+            InFlight(
+                step.step_id,
+                start,
+                end,
+                self.bound_s,
+                now,
+                now - opened,
+                rows,
+                self._nbytes(rows),
+                step.warmup,
+            )
+        )
+        self.check()
+        return StepSplit(compute_s=time.perf_counter() - t0)
+
+    def _step_ops(
+        self, step: Step, plan: StepPlan
+    ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """(warm_up, enqueue) of a step: each layer's compute once outside any graph (lazy
+        initialisations), and every layer's stream operations (afd_data.gpu_hop: wait for the
+        rows, compute, answer)."""
+        hop, forward = self.hop, self.engine.forward_layer
+        stages = range(step.stages)
+        layers = [(layer, stage) for layer in range(self.engine.num_layers) for stage in stages]
+
+        def run(layer: int, x: Any, router: Any) -> Any:
+            return forward(layer, x) if router is None else forward(layer, x, router)
+
+        def enqueue() -> None:
+            stream = _stream()
+            for layer, stage in layers:
+                compute = functools.partial(run, layer)
+                hop.ffn_layer(layer, stage, plan.slices[stage], stream, compute)
+
+        def warm_up() -> None:
+            for layer, stage in layers:
+                run(layer, *hop.ffn_inputs(layer, stage, plan.slices[stage]))
+
+        return warm_up, enqueue
+
+    def check(self) -> None:
+        failure = self.watchdog.poll()
+        self._report_retired()
+        if self.watchdog.fatal is not None:
+            raise RuntimeError(self.watchdog.fatal)
+        if failure is not None:
+            raise AfdPeerLost(failure.removeprefix(LOST))  # the FFN loop reconnects on a loss

@@ -46,8 +46,9 @@ class FfnStepGraphs:
             log.info("afd ffn: dropping %d step graph(s) at reconnect", len(self._graphs))
         self._graphs.clear()
 
-    def capture(self, key: Key, warm_up: Callable[[], None], enqueue: Callable[[], None],
-                late: bool = False) -> torch.cuda.CUDAGraph:  # fmt: skip
+    def capture(
+        self, key: Key, warm_up: Callable[[], None], enqueue: Callable[[], None], late: bool = False
+    ) -> torch.cuda.CUDAGraph:
         """The graph of step shape `key`, captured now if there is none: `warm_up` runs each
         layer's compute once outside the graph (lazy initialisations), `enqueue` issues every
         layer's operations (recorded, not run)."""
@@ -73,8 +74,9 @@ class FfnStepGraphs:
             log.info("afd ffn: captured the step graph for token counts %s", key)
         return graph
 
-    def run(self, key: Key, capture_step: bool, warm_up: Callable[[], None],
-            enqueue: Callable[[], None]) -> None:  # fmt: skip
+    def run(
+        self, key: Key, capture_step: bool, warm_up: Callable[[], None], enqueue: Callable[[], None]
+    ) -> None:
         """Runs a step of shape `key` from its graph, capturing it first if needed."""
         self.capture(key, warm_up, enqueue, late=not capture_step).replay()
         self.replays += 1

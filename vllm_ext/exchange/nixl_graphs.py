@@ -27,31 +27,16 @@ from typing import Any
 
 import torch
 
+from afd_ctl.step import CAPTURE, EAGER, REPLAY, Counts, Step
+
 log = logging.getLogger(__name__)
 
-Key = tuple[tuple[int, ...], ...]
 # A graph's key: one stage's counts (per attention DP rank), the layer, the stage.
 Slot = tuple[tuple[int, ...], int, int]
-EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 
 
 class FfnGraphMissing(RuntimeError):
     """A payload asked to replay a graph that was never captured for its token counts."""
-
-
-def graph_key(payload: Any) -> Key:
-    """The per-stage token counts, as the attention side keys its graphs."""
-    return tuple(tuple(payload.stages[s].num_tokens_across_dp) for s in sorted(payload.stages))
-
-
-def graph_mode(payload: Any, enabled: bool) -> str:
-    if not enabled:
-        return EAGER
-    if payload.is_graph_capturing:
-        return CAPTURE
-    if payload.is_graph_replaying:
-        return REPLAY
-    return EAGER
 
 
 @dataclass
@@ -73,7 +58,7 @@ class FfnGraphRunner:
         self._graphs: dict[Slot, _Graph] = {}
         self._captured_in_capture_steps: set[tuple[int, ...]] = set()
         self._pool: Any = None
-        self._key: Key = ()
+        self._key: Counts = ()
         self._mode = EAGER
         self._step = -1
         # Per layer and stage: graphs captured, replays, eager runs; per step: the mode.
@@ -87,10 +72,10 @@ class FfnGraphRunner:
     def mode(self) -> str:
         return self._mode
 
-    def begin_step(self, payload: Any) -> None:
-        self._key = graph_key(payload)
-        self._mode = graph_mode(payload, self.enabled)
-        self._step = payload.step_id
+    def begin_step(self, step: Step) -> None:
+        self._key = step.graph_key
+        self._mode = step.flags.graph_mode(self.enabled)
+        self._step = step.step_id
         self.steps[self._mode] += 1
 
     def stats(self) -> dict[str, int]:

@@ -115,7 +115,7 @@ class DeepSeek(Family):
             prefix=prefix,
         ), False
 
-    def prepare_ffn_stack(self, stack: nn.Module, vllm_config: Any) -> None:
+    def prepare_ffn_stack(self, stack: Any, vllm_config: Any) -> None:
         """What DeepseekV2Model.load_weights reads from the model it runs on."""
         seams = compat.seams()
         stack.use_mha = False
@@ -128,7 +128,7 @@ class DeepSeek(Family):
         self, stack: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> set[str]:
         dsv2 = compat.seams().deepseek_v2_module()
-        return dsv2.DeepseekV2Model.load_weights(stack, weights)  # type: ignore[arg-type]
+        return dsv2.DeepseekV2Model.load_weights(stack, weights)
 
     def dense_output(self, config: Any, out: torch.Tensor) -> torch.Tensor:
         """What DeepseekV2DecoderLayer.forward does after a dense MLP in fp16."""

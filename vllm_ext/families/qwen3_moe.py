@@ -63,7 +63,7 @@ class Qwen3Moe(Family):
         qwen3 = _qwen3()
         config = vllm_config.model_config.hf_text_config
         if _is_moe_layer(config, layer_idx):
-            if not shared and getattr(config, "shared_expert_intermediate_size", 0):
+            if not shared and getattr(config, "shared_expert_intermediate_size", None):
                 raise ValueError(
                     "afd ffn: expert-parallel FFN ranks of a Qwen-MoE with a shared expert are "
                     "not supported yet; serve it with one FFN rank per group"
@@ -95,7 +95,7 @@ FAMILY = Qwen3Moe()
 def _decoder_layer_class() -> type:
     qwen3 = _qwen3()
 
-    class AfdQwen3MoeDecoderLayer(qwen3.Qwen3MoeDecoderLayer):  # type: ignore[name-defined,misc]
+    class AfdQwen3MoeDecoderLayer(qwen3.Qwen3MoeDecoderLayer):  # type: ignore[name-defined]
         """vLLM's Qwen3MoeDecoderLayer (forward unchanged) with the MLP/MoE on the FFN side."""
 
         def __init__(self, vllm_config: Any, prefix: str = "", gate_here: bool = False) -> None:
@@ -136,7 +136,7 @@ def _decoder_layer_class() -> type:
 def _model_class() -> type:
     qwen3 = _qwen3()
 
-    class AfdQwen3MoeForCausalLM(qwen3.Qwen3MoeForCausalLM):  # type: ignore[name-defined,misc]
+    class AfdQwen3MoeForCausalLM(qwen3.Qwen3MoeForCausalLM):  # type: ignore[name-defined]
         """vLLM's Qwen3MoeForCausalLM, its decoder layers holding no MLP/MoE (no experts: the
         MoE bookkeeping of the class is empty)."""
 

@@ -1,8 +1,8 @@
 """`vllm serve MODEL --afd-role ffn --afd-controller HOST:PORT`: the FFN role's entry point.
 
 It builds the engine config the way `vllm serve` would (the same defaults on both roles) and runs
-one FFN worker (vllm_ext.ffn.server) until it stops. Also runnable as
-`python -m vllm_ext.ffn.cli MODEL --afd-controller ... [vLLM flags]`.
+one FFN worker (vllm_ext.ffn.server) until it stops. Also runnable without the `vllm` command:
+`python -m vllm_ext.ffn MODEL --afd-controller ... [vLLM flags]` (vllm_ext/ffn/__main__.py).
 """
 
 from __future__ import annotations
@@ -65,25 +65,3 @@ def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
         log.error("afd ffn %s: %s", worker.worker_id, exc)
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
-
-
-def main(argv: list[str] | None = None) -> None:
-    import vllm_ext
-    from vllm_ext import compat
-
-    vllm_ext.register()
-    seams = compat.seams()
-    _, async_engine_args = seams.engine_args_classes()
-    parser = seams.flexible_argument_parser()(
-        description="AFD FFN worker (same flags as vllm serve)"
-    )
-    parser.add_argument("model")
-    parser = async_engine_args.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    if args.afd_role is None:
-        args.afd_role = "ffn"
-    serve_ffn(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,11 +55,6 @@ class FfnEngine:
         self.num_layers: int = config.num_hidden_layers
         self.hidden_size: int = config.hidden_size
         self.dtype: torch.dtype = vllm_config.model_config.dtype
-        fault = os.environ.get("AFD_TEST_FAULT")
-        if fault:  # a test-only seam, off by default: vllm_ext/testing/faults.py
-            from vllm_ext.testing import faults
-
-            self.forward_layer = faults.with_fault(self.forward_layer, fault)  # type: ignore[method-assign]
 
     @contextlib.contextmanager
     def step_scope(self) -> Iterator[None]:
@@ -85,6 +81,45 @@ class FfnEngine:
             return self.stack.forward_layer(layer_idx, hidden_states, router)
         with forward_context(self.vllm_config, rows):
             return self.stack.forward_layer(layer_idx, hidden_states, router)
+
+
+# Row counts at which kernels are specialised (vLLM's fused-MoE Triton configs are keyed by the
+# batch size, and a new key compiles a new kernel): each is run once at start-up.
+WARM_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+
+
+@torch.inference_mode()
+def warm_up(engine: FfnEngine, plane: Any, who: str) -> int:
+    """Runs one layer of each kind (dense, MoE) at every WARM_ROWS size a step of `plane` (its
+    attention peers' rows together) can have, so no kernel is compiled (Triton JIT) inside a
+    served step: vLLM's own warm-up never runs the FFN server's layers. GPU only; returns the
+    sizes run."""
+    if not torch.cuda.is_available():
+        return 0
+    t0 = time.monotonic()
+    config = plane.config
+    max_rows = config.max_tokens_per_peer * config.num_attention
+    router_width, router_dtype = config.router_width, plane.router_dtype
+    kinds: dict[bool, int] = {}
+    for layer in range(engine.num_layers):
+        kinds.setdefault(engine.stack.is_moe[layer] and engine.stack.held[layer], layer)
+    sizes = [n for n in WARM_ROWS if n <= max_rows]
+    for rows in sizes:
+        x = torch.randn(rows, engine.hidden_size, dtype=engine.dtype, device="cuda") * 0.02
+        logits = None
+        if router_width:
+            logits = torch.randn(rows, router_width, dtype=router_dtype, device="cuda")
+        for moe, layer in kinds.items():
+            engine.forward_layer(layer, x, logits if moe else None)
+    torch.cuda.synchronize()
+    log.info(
+        "afd ffn %s: warmed its layers at %d row counts up to %d in %.1f s",
+        who,
+        len(sizes),
+        max_rows,
+        time.monotonic() - t0,
+    )
+    return len(sizes)
 
 
 def _init_one_rank_world(vllm_config: Any) -> None:

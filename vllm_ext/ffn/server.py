@@ -6,7 +6,7 @@ attention peer's rows, runs the layer's MLP/MoE over their concatenation and wri
 its slice back. It exits 0 on `stop`; any error is logged at once and ends the session, so the
 daemon marks the worker lost and the attention side fails fast instead of hanging.
 
-Entry point: vllm_ext.ffn.cli (`python -m vllm_ext.ffn.cli MODEL --afd-controller ... [vLLM flags]`).
+Entry points: vllm_ext.ffn.cli (`vllm serve MODEL --afd-role ffn ...`) and `python -m vllm_ext.ffn`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Any
 
-from afd_ctl import routing
 from afd_ctl.errors import (
     AfdControllerUnreachable,
     AfdNotReady,
@@ -29,8 +28,11 @@ from afd_ctl.errors import (
 from afd_ctl.routing import Role
 from vllm_ext.config import AfdConfig
 from vllm_ext.control import ControlAccess
-from vllm_ext.exchange.nixl import FfnExchange
-from vllm_ext.ffn.stack import ExpertShard
+from vllm_ext.exchange.base import FfnExchange
+from vllm_ext.exchange.data_plane import DataPlane
+from vllm_ext.exchange.factory import Exchanges, ffn_exchanges
+from vllm_ext.ffn.engine import warm_up
+from vllm_ext.ffn.stack import ExpertShard, expert_shard
 from vllm_ext.ffn.steps import FfnSteps
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
@@ -60,9 +62,9 @@ class FfnWorker:
         self._stop = threading.Event()
         # Told to afd-ctl when this server leaves (its peers' PEER_LOST says "left: ...").
         self._leave_reason = "ffn server exiting"
-        self._link: PeerLink | None = None
+        self._link: PeerLink[FfnExchange] | None = None
         self._client: Any = None  # self._link.client
-        self._exchange: FfnExchange | None = None
+        self._exchanges: Exchanges[FfnExchange] | None = None
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
         self._profiler: Any = None
@@ -76,11 +78,12 @@ class FfnWorker:
         self.engine = FfnEngine(self.vllm_config, shard)
         if self.afd.gate == "attention":
             self.engine.stack.use_given_router_logits()
-        self.step_runner = FfnSteps(
-            self.engine,
-            graphs=not self.vllm_config.model_config.enforce_eager,
-            worker_id=self.worker_id,
-        )
+        self.step_runner = FfnSteps(graphs=self.graphs, worker_id=self.worker_id)
+
+    @property
+    def graphs(self) -> bool:
+        """CUDA graphs as the payloads' flags say (on GPU, unless enforce_eager)."""
+        return not self.vllm_config.model_config.enforce_eager
 
     def request_stop(self, reason: str) -> None:
         log.info("afd ffn %s: stop requested (%s)", self.worker_id, reason)
@@ -102,11 +105,15 @@ class FfnWorker:
         if afd.metrics_port:
             self._metrics = serve_ffn_metrics(afd.metrics_host, afd.metrics_port)
         if afd.attention_tp_size > 1:
-            log.warning("afd ffn: attention_tp_size %d is not needed and is ignored: TP rank 0 "
-                        "of an attention server exchanges for its TP group", afd.attention_tp_size)  # fmt: skip
+            log.warning(
+                "afd ffn: attention_tp_size %d is not needed and is ignored: TP rank 0 "
+                "of an attention server exchanges for its TP group",
+                afd.attention_tp_size,
+            )
         shard = expert_shard(afd.ffn_rank, num_attention, num_ffn, groups=ffn_groups)
         self._load(shard)
-        self._exchange = FfnExchange(
+        plane = DataPlane(
+            Role.FFN,
             name=self.worker_id,
             rank=afd.ffn_rank,
             dtype=self.vllm_config.model_config.dtype,
@@ -120,9 +127,11 @@ class FfnWorker:
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
             num_stages=afd.num_stages,
         )
+        self._exchanges = ffn_exchanges(plane, self.engine, self.graphs)
+        warm_up(self.engine, plane, self.worker_id)
         spec = WorkerSpec(self.worker_id, Role.FFN, dp_rank=afd.ffn_rank, dp_size=num_ffn)
         self._link = PeerLink(
-            access, spec, self._exchange, f"ffn rank {afd.ffn_rank}", self.vllm_config
+            access, spec, self._exchanges, f"ffn rank {afd.ffn_rank}", self.vllm_config
         )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
         if afd.profile_dir:
@@ -162,9 +171,9 @@ class FfnWorker:
                     # wait for a newer complete view, then reconnect to its peers.
                     log.warning("afd ffn %s: %s", self.worker_id, exc)
                     self._metrics.disconnected()  # /health: 503 until connected again
-                    assert self._exchange is not None
+                    assert self._link is not None
                     try:
-                        view = self._wait_for_peers(self._exchange.transport.epoch or 0)
+                        view = self._wait_for_peers(self._link.plane.epoch)
                     except AfdStopped as stopped:
                         log.info("afd ffn %s: %s; exiting", self.worker_id, stopped)
                         return 0
@@ -193,14 +202,14 @@ class FfnWorker:
             self.close()
 
     def _poll_idle(self) -> None:
-        if self._exchange is not None:
-            self._exchange.transport.poll_idle()
+        if self._exchanges is not None:
+            self._exchanges.plane.poll_idle()
 
     def _check_gpu_steps(self) -> None:
         """GPU-driven path: retires finished steps; one past its bound (or under a lost peer)
         raises AfdPeerLost here, in the loop that reconnects."""
-        if self._exchange is not None and self._exchange.gpu is not None:
-            self._exchange.gpu.check()
+        if self._link is not None and self._link.exchange is not None:
+            self._link.exchange.check()
 
     def _follow_epoch(self, payload: Any) -> bool:
         """True when the data plane is in the payload's epoch, reconnecting it first when the
@@ -210,8 +219,8 @@ class FfnWorker:
         restart of the daemon both workers register anew, and if this one completes the set
         its registration already brings the complete view of the new epoch. The attention
         side then publishes in that epoch, so its first payload is how the loop learns."""
-        assert self._exchange is not None and self._client is not None
-        current = self._exchange.transport.epoch or 0
+        assert self._link is not None and self._client is not None
+        current = self._link.plane.epoch
         if payload.epoch == current:
             return True
         if payload.epoch < current:
@@ -289,17 +298,20 @@ class FfnWorker:
         return None
 
     def stats(self) -> dict[str, float]:
-        return self.step_runner.stats() if self.step_runner is not None else {}
+        stats = self.step_runner.stats() if self.step_runner is not None else {}
+        if self._exchanges is not None:
+            stats.update(self._exchanges.stats())
+        return stats
 
     def close(self) -> None:
         log.info("afd ffn %s: stats %s", self.worker_id, json.dumps(self.stats()))
         client, self._client = self._client, None
-        exchange, self._exchange = self._exchange, None
+        exchanges, self._exchanges = self._exchanges, None
         if client is not None:
             client.close(reason=self._leave_reason)
-        if exchange is not None:
+        if exchanges is not None:
             try:
-                exchange.close()
+                exchanges.close()
             except Exception as exc:  # shutting down: report, never raise
                 log.warning("afd ffn %s: data plane close: %s", self.worker_id, exc)
 
@@ -307,13 +319,11 @@ class FfnWorker:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
         assert self._link is not None
-        assert self.step_runner is not None
-        self.step_runner.step_graphs.reset()  # they hold the previous peers' mapped addresses
         self._link.connect(view)
         self._metrics.connected(
             view.epoch,
             reconnect=self._connects > 0,
-            gpu_driven=self._exchange is not None and self._exchange.path == "gpu",
+            gpu_driven=self._exchanges is not None and self._exchanges.gpu_driven,
         )
         self._connects += 1
         self._said_unreachable = False
@@ -325,20 +335,10 @@ class FfnWorker:
         )
 
     def run_step(self, payload: Any) -> None:
-        assert self._exchange is not None
+        assert self._link is not None and self._link.exchange is not None
         assert self.step_runner is not None
-        self.step_runner.run(payload, self._exchange, self._metrics, self._profiler)
+        self.step_runner.run(payload, self._link.exchange, self._metrics, self._profiler)
 
     @property
     def steps(self) -> int:
         return self.step_runner.steps if self.step_runner is not None else 0
-
-
-def expert_shard(
-    ffn_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
-) -> ExpertShard:
-    """The expert shard of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
-    a % g == f % g with g FFN groups (afd-ctl's --expert-parallel-size E: g = N / E; default
-    min(M, N)); the FFN ranks of one group split the experts."""
-    group = routing.ffn_group(ffn_rank, num_attention, num_ffn, groups=groups)
-    return ExpertShard(group.index(ffn_rank), len(group))

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from afd_ctl import routing
 from vllm_ext import compat
 from vllm_ext.model_split import family
 
@@ -128,7 +129,8 @@ class FfnStack(nn.Module):
         self._given = {}
         for i, holder in enumerate(self.layers):
             if self.is_moe[i]:
-                holder.mlp.gate.forward = _GivenLogits(self._given, i)
+                mlp: Any = holder.mlp  # vLLM's MoE module
+                mlp.gate.forward = _GivenLogits(self._given, i)
 
     def forward_layer(
         self, layer_idx: int, hidden_states: torch.Tensor, router: torch.Tensor | None = None
@@ -139,7 +141,8 @@ class FfnStack(nn.Module):
                     f"afd ffn: gate=attention but layer {layer_idx} came without router logits"
                 )
             self._given[layer_idx] = router
-        out = self.layers[layer_idx].mlp(hidden_states)
+        mlp: Any = self.layers[layer_idx].mlp
+        out = mlp(hidden_states)
         if not self.is_moe[layer_idx] and self.held[layer_idx]:
             out = self.family.dense_output(self.config, out)
         return out
@@ -229,3 +232,13 @@ def finalize_ffn_stack(stack: FfnStack, vllm_config: Any) -> None:
         held["other"],
         cuda,
     )
+
+
+def expert_shard(
+    ffn_rank: int, num_attention: int, num_ffn: int, *, groups: int | None = None
+) -> ExpertShard:
+    """The expert shard of an FFN rank. afd-ctl routes attention rank a to FFN rank f iff
+    a % g == f % g with g FFN groups (afd-ctl's --expert-parallel-size E: g = N / E; default
+    min(M, N)); the FFN ranks of one group split the experts."""
+    group = routing.ffn_group(ffn_rank, num_attention, num_ffn, groups=groups)
+    return ExpertShard(group.index(ffn_rank), len(group))

@@ -38,9 +38,14 @@ MEDIAN_FLOOR = 0.005
 
 
 def prompt_token_ids(
-    n: int, vocab_size: int, *, seed: int = 0, min_len: int = 4, max_len: int = 128,
+    n: int,
+    vocab_size: int,
+    *,
+    seed: int = 0,
+    min_len: int = 4,
+    max_len: int = 128,
     reserved: int = 2,
-) -> list[list[int]]:  # fmt: skip
+) -> list[list[int]]:
     """`n` prompts of random token ids (ids below `reserved`, BOS/EOS, left out), lengths
     spread evenly from min_len to max_len, so both short and long contexts are scored."""
     rng = random.Random(seed)

@@ -95,10 +95,19 @@ def run(workdir: Path, keep: bool = True) -> int:
         step("starting afd-ctl (1 attention : 1 FFN)")
         daemon = Child(
             "afd-ctl",
-            [bin_path("afd-ctl"), "serve", "--listen", "127.0.0.1:0", "--expect-attention", "1",
-             "--expect-ffn", "1"],
-            workdir / "afd-ctl.log", env,
-        )  # fmt: skip
+            [
+                bin_path("afd-ctl"),
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--expect-attention",
+                "1",
+                "--expect-ffn",
+                "1",
+            ],
+            workdir / "afd-ctl.log",
+            env,
+        )
         children.append(daemon)
         controller = daemon.wait_for(LISTEN_RE, 30).group(1)
         print(f"    afd-ctl at {controller}")
@@ -144,8 +153,11 @@ def run(workdir: Path, keep: bool = True) -> int:
         step("afd-ctl status")
         status = subprocess.run(
             [bin_path("afd-ctl"), "status", "--controller", controller],
-            capture_output=True, text=True, timeout=30, env={**os.environ, **env},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, **env},
+        )
         print(status.stdout.rstrip())
         print(
             "    (the epoch starts at the daemon's start time in wall-clock milliseconds and "

@@ -24,9 +24,14 @@ def engine_config(model: str, dtype: str, load_format: str, device: str) -> Any:
 
     engine_args_cls, _ = compat.seams().engine_args_classes()
     args = engine_args_cls(
-        model=model, dtype=dtype, enforce_eager=True, max_model_len=256, seed=0,
-        max_num_batched_tokens=4096, load_format=load_format,
-    )  # fmt: skip
+        model=model,
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+        max_num_batched_tokens=4096,
+        load_format=load_format,
+    )
     return args.create_engine_config()
 
 
@@ -49,7 +54,7 @@ def timed(engine: Any, rows: Any, repeats: int) -> float:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
-        run = graph.replay  # noqa: E731
+        run = graph.replay  # type: ignore[assignment]
     times = []
     for _ in range(repeats + 2):  # two warm-ups
         if rows.is_cuda:
@@ -107,10 +112,14 @@ def main(argv: list[str] | None = None) -> None:
             rank: dict[str, Any] = {"rank": r, "weight_bytes": engine.stack.loaded_bytes}
             if args.time:
                 rank["forward_ms"] = {
-                    str(b): round(timed(engine, torch.randn(b, hidden, dtype=dtype,
-                                                            device=device), args.repeats), 3)
+                    str(b): round(
+                        timed(
+                            engine, torch.randn(b, hidden, dtype=dtype, device=device), args.repeats
+                        ),
+                        3,
+                    )
                     for b in batches
-                }  # fmt: skip
+                }
             ranks.append(rank)
             del engine
             if device == "cuda":

@@ -1,23 +1,25 @@
 """Test-only fault injection on the FFN side, to prove the accuracy gate fails on a real bug.
 
-    AFD_TEST_FAULT=swap_rows:LAYER[:ROW_A:ROW_B]   (rows 0 and 1 by default)
-    AFD_TEST_FAULT=shift_rows:LAYER
+    python -m vllm_ext.testing.faults swap_rows:LAYER[:ROW_A:ROW_B] MODEL --afd-controller ... [vLLM flags]
+    python -m vllm_ext.testing.faults shift_rows:LAYER MODEL --afd-controller ... [vLLM flags]
 
-swaps two rows of layer LAYER's FFN output (a misplaced row), or shifts its rows by one (row i
-gets row i-1's output, the first the last's: a slice offset off by one), before it goes back
-to the attention side. Off unless the variable is set; the FFN engine
-(vllm_ext/ffn/engine.py) only imports this module when it is, and logs a warning then.
+runs an FFN server (as `python -m vllm_ext.ffn`) that swaps two rows of layer LAYER's FFN
+output (a misplaced row; rows 0 and 1 by default), or shifts its rows by one (row i gets row
+i-1's output, the first the last's: a slice offset off by one), before it goes back to the
+attention side. The product never imports this module: only this entry point wraps the FFN
+engine, and it logs a warning saying so.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-ENV = "AFD_TEST_FAULT"
+ENV = "fault"
 ForwardLayer = Callable[..., Any]
 
 
@@ -55,3 +57,27 @@ def with_fault(forward_layer: ForwardLayer, spec: str) -> ForwardLayer:
         return out
 
     return faulty
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m vllm_ext.testing.faults SPEC MODEL ...`: an FFN server with the fault."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        raise SystemExit(f"usage: python -m {__name__} SPEC MODEL --afd-controller ... [flags]")
+    spec, rest = args[0], args[1:]
+    parse(spec)  # a bad spec fails before the server starts
+    from vllm_ext.ffn.__main__ import main as ffn_main
+    from vllm_ext.ffn.engine import FfnEngine
+
+    built = FfnEngine.__init__
+
+    def faulty_init(self: FfnEngine, *init_args: Any, **kwargs: Any) -> None:
+        built(self, *init_args, **kwargs)
+        self.forward_layer = with_fault(self.forward_layer, spec)  # type: ignore[method-assign]
+
+    FfnEngine.__init__ = faulty_init  # type: ignore[method-assign]
+    ffn_main(rest)
+
+
+if __name__ == "__main__":
+    main()

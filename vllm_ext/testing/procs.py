@@ -16,9 +16,16 @@ from vllm_ext.testing.offline import CPU_ATTENTION_BACKEND, CPU_ENV
 # --max-num-batched-tokens sizes the data plane, which both roles must agree on: explicit here
 # because vLLM's default differs between `vllm serve` and the offline LLM() the tests also use.
 ENGINE_FLAGS = [
-    "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
-    "--max-num-batched-tokens", "512",
-]  # fmt: skip
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "256",
+    "--seed",
+    "0",
+    "--max-num-batched-tokens",
+    "512",
+]
 if CPU_ATTENTION_BACKEND:  # see offline.CPU_ATTENTION_BACKEND
     ENGINE_FLAGS += ["--attention-backend", CPU_ATTENTION_BACKEND]
 
@@ -45,16 +52,32 @@ def engine_flags(eager: bool = True) -> list[str]:
 
 def ffn_argv(model: str | Path, controller: str, *extra: str, eager: bool = True) -> list[str]:
     return [
-        bin_path("vllm"), "serve", str(model), "--afd-role", "ffn",
-        "--afd-controller", controller, *engine_flags(eager), *extra,
-    ]  # fmt: skip
+        bin_path("vllm"),
+        "serve",
+        str(model),
+        "--afd-role",
+        "ffn",
+        "--afd-controller",
+        controller,
+        *engine_flags(eager),
+        *extra,
+    ]
 
 
 def serve_argv(model: str | Path, port: int, *extra: str, eager: bool = True) -> list[str]:
     return [
-        bin_path("vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-        *engine_flags(eager), "--max-num-seqs", "8", *extra,
-    ]  # fmt: skip
+        bin_path("vllm"),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *engine_flags(eager),
+        "--max-num-seqs",
+        "8",
+        *extra,
+    ]
 
 
 def offline_argv(model: str | Path, *extra: str) -> list[str]:

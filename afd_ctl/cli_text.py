@@ -1,0 +1,143 @@
+"""What `afd-ctl status | workers | watch` print: the daemon's protos as text or JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from afd_ctl.v1 import afd_pb2
+
+# `afd-ctl status` shows this many of the recent membership events (the JSON has all).
+RECENT_SHOWN = 8
+
+
+def to_json(message: Message, indent: int | None = 2) -> str:
+    """Every field, zeros and empty lists included, with 64-bit numbers as JSON numbers."""
+    data = json_format.MessageToDict(
+        message,
+        always_print_fields_with_no_presence=True,
+        preserving_proto_field_name=True,
+        unquote_int64_if_possible=True,
+    )
+    return json.dumps(data, indent=indent, sort_keys=True)
+
+
+def format_status(status: afd_pb2.Status) -> str:
+    # health_state is the enum; an older daemon only fills the word.
+    health = afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
+    lines = [
+        f"health      {health}",
+        f"epoch       {status.epoch}   (incarnation {status.controller_incarnation})",
+        f"listen      {status.listen}   uptime {status.uptime_s:.0f} s",
+        f"steps       {status.steps_relayed} relayed, last step id {status.last_step_id}, "
+        f"{status.payloads_rejected} rejected",
+        "",
+        f"{'ROLE':<10} {'REGISTERED':>10} {'EXPECTED':>9}",
+    ]
+    for role in status.roles:
+        lines.append(
+            f"{afd_pb2.Role.Name(role.role).lower():<10} {role.registered:>10} {role.expected:>9}"
+        )
+    if status.ffn_groups:  # an older daemon does not say
+        expected = {r.role: r.expected for r in status.roles}
+        ffn = expected.get(afd_pb2.FFN, 0)
+        lines.append(
+            f"ffn groups  {status.ffn_groups} (expert-parallel size "
+            f"{ffn // status.ffn_groups if ffn % status.ffn_groups == 0 else 'uneven'})"
+        )
+    if status.subscribers:
+        lines += ["", f"{'SUBSCRIBER':<28} {'QUEUED':>7} {'CAPACITY':>9} {'LAST STEP':>10}"]
+        for sub in status.subscribers:
+            lines.append(
+                f"{sub.worker_id:<28} {sub.queued:>7} {sub.queue_capacity:>9} {sub.last_step_id:>10}"
+            )
+    if status.loads:
+        # Serving steps only; warm-up, profile and capture steps counted apart (WARM-UP).
+        lines += [
+            "",
+            f"{'LOAD (ROLLING WINDOW)':<28} {'ROLE':<9} {'PATH':<5} {'STEPS':>6} {'UTIL':>5} "
+            f"{'WAIT':>5} {'COMPUTE MS':>10} {'WAIT MS':>8} {'TOKENS':>7} {'WARM-UP':>7}",
+        ]
+        for load in status.loads:
+            lines.append(
+                f"{load.worker_id:<28} {afd_pb2.Role.Name(load.role).lower():<9} "
+                f"{load.exchange_path or '-':<5} "
+                f"{load.steps:>6} {load.utilisation:>5.0%} {load.waiting_share:>5.0%} "
+                f"{load.compute_ms_per_step:>10.3f} {load.wait_ms_per_step:>8.3f} "
+                f"{load.tokens_per_step:>7.1f} {load.warmup_steps:>7}"
+            )
+        for load in status.loads:
+            if load.last_refusal:
+                lines.append(
+                    f"  {load.worker_id}: {load.reports_dropped} report(s) refused, the last: "
+                    f"{load.last_refusal}"
+                )
+    if status.taps:
+        lines += [
+            "",
+            f"{'TAP (LIVE STREAM)':<28} {'QUEUED':>7} {'CAPACITY':>9} {'SENT':>8} "
+            f"{'LAST STEP':>10} {'BEHIND':>7}",
+        ]
+        for tap in status.taps:
+            behind = status.last_step_id - tap.last_step_id if tap.include_payloads else 0
+            lines.append(
+                f"{tap.peer:<28} {tap.queued:>7} {tap.queue_capacity:>9} {tap.delivered:>8} "
+                f"{tap.last_step_id if tap.include_payloads else '-':>10} {behind:>7}"
+            )
+    if status.recent_events:
+        lines += ["", "RECENT EVENTS"]
+        for event in status.recent_events[-RECENT_SHOWN:]:
+            kind = afd_pb2.MembershipEvent.Kind.Name(event.kind)
+            who = ""
+            if event.HasField("worker"):
+                role_name = afd_pb2.Role.Name(event.worker.role).lower()
+                who = f" {role_name} {event.worker.role_rank} ({event.worker.worker_id})"
+            when = time.strftime("%H:%M:%S", time.localtime(event.at_s))
+            reason = f": {event.reason}" if event.reason else ""
+            lines.append(f"{when} {kind}{who}{reason}")
+    return "\n".join(lines)
+
+
+def format_workers(workers: Sequence[afd_pb2.WorkerInfo]) -> str:
+    if not workers:
+        return "no workers registered"
+    lines = [f"{'ROLE':<10} {'RANK':>4} {'DP':>5} {'TP':>5}  {'WORKER ID':<28} {'PEER':<24} AGE"]
+    now = time.time()
+    for w in workers:
+        dp, tp = f"{w.dp_rank}/{w.dp_size}", f"{w.tp_rank}/{w.tp_size}"
+        lines.append(
+            f"{afd_pb2.Role.Name(w.role).lower():<10} {w.role_rank:>4} {dp:>5} {tp:>5}  "
+            f"{w.worker_id:<28} {w.peer:<24} {now - w.registered_at_s:.0f}s"
+        )
+    return "\n".join(lines)
+
+
+def format_tap(event: afd_pb2.TapEvent) -> str:
+    if event.WhichOneof("event") == "payload":
+        p = event.payload
+        stages = " ".join(
+            f"s{i}={list(p.stages[i].num_tokens_across_dp)}" for i in sorted(p.stages)
+        )
+        flags = [
+            name
+            for name in (
+                "is_warmup",
+                "is_graph_capturing",
+                "is_graph_replaying",
+                "records_only",
+                "is_profile",
+                "stop",
+            )
+            if getattr(p, name)
+        ]
+        return f"payload step={p.step_id} epoch={p.epoch} from={p.sender_role_rank} {stages} {' '.join(flags)}".rstrip()
+    e = event.membership
+    who = ""
+    if e.HasField("worker"):
+        who = f" {afd_pb2.Role.Name(e.worker.role).lower()} rank {e.worker.role_rank} ({e.worker.worker_id})"
+    kind = afd_pb2.MembershipEvent.Kind.Name(e.kind)
+    return f"event {kind}{who} epoch={e.view.epoch} complete={e.view.complete} {e.reason}".rstrip()

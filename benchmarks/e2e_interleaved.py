@@ -1,0 +1,221 @@
+"""TPOT of AFD against colocated vLLM with both engines up at once, interleaved per batch size,
+with intervals instead of spread refusals; the mode `e2e_decode.py --interleave` runs.
+
+Per depth (`--depths`, model layers; the DeepSeek-V3-shaped model on GPU, the tiny DeepSeek on
+CPU): the colocated engine and the AFD pair (afd-ctl, an FFN server, the attention engine)
+start together; once both are warm every batch size's timed repeats alternate between them (A,
+B at one repeat, B, A at the next: benchmarks/interleave.py), so drift on a shared machine hits
+both alike. What is reported per depth and batch: both medians, the ratio AFD / colocated
+with its 95% bootstrap interval, and with two depths the fit of what AFD adds per step and
+per layer, each with its interval. A ratio interval wider than `--interval-bound` (relative)
+refuses the run, naming it; everything else decode_runner refuses stays refused.
+
+On GPU the MoE layers route with vLLM's uniform random routing simulation on both sides
+(VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random), so each MoE layer reads as many experts
+per step as balanced traffic would, not the few a dummy model's collapsed tokens pick; the JSON
+says how many (expected distinct experts per MoE layer per step). Each request has a prompt of
+its own, all of one length. The AFD parts write their step timelines (AFD_TIMELINE_DIR) and
+the JSON carries benchmarks/timeline.py's summary per depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import gpu_setup, timeline
+from benchmarks.interleave import (
+    Lockstep,
+    expected_distinct_experts,
+    interleave,
+    layer_fit,
+    ratio_interval,
+)
+from benchmarks.timing_stats import BenchmarkRefused
+from vllm_ext.testing.processes import Daemon, Proc
+
+ROUTING = {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
+
+
+def _runner(
+    args: argparse.Namespace, model: Path, kwargs: dict[str, Any], *extra: str
+) -> list[str]:
+    from benchmarks.e2e_decode import RUNNER
+
+    return [
+        sys.executable, str(RUNNER), str(model), "--tokens", str(args.tokens),
+        "--repeats", str(args.repeats), "--spread-bound", "1", "--batches", args.batches,
+        "--lockstep", "--llm-kwargs", json.dumps(kwargs), *extra,
+    ]  # fmt: skip
+
+
+def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]:
+    """Both parts at one depth, interleaved: their TPOT repeats per batch and reports."""
+    from benchmarks.e2e_decode import build_tiny_deepseek, cpu_mla_backend, gpu_llm_kwargs
+    from vllm_ext.testing.procs import ffn_argv, vllm_env
+
+    batches = [int(b) for b in args.batches.split(",")]
+    timeline_dir = tmp / "timeline"
+    procs: list[Proc] = []
+    try:
+        if args.gpu:
+            model = gpu_setup.write_v3_shaped(tmp / "model", depth)
+            extra_path = gpu_setup.plugin_path(tmp)
+            base = gpu_llm_kwargs(max(batches), 0.0)
+            if args.cudagraph_mode:
+                base["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
+            colo_kwargs = dict(base, gpu_memory_utilization=args.colocated_memory,
+                               kv_cache_memory_bytes=args.kv_cache_bytes)  # fmt: skip
+            attn_kwargs = dict(base, gpu_memory_utilization=gpu_setup.ONE_GPU.attention_memory,
+                               kv_cache_memory_bytes=args.kv_cache_bytes)  # fmt: skip
+            env = {**gpu_setup.gpu_env("0", extra_path), **ROUTING, "PYTHONUNBUFFERED": "1"}
+            runner_extra = ["--gpu", "--prompt-tokens", str(args.prompt_tokens)]
+            ffn_flags = [
+                "--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "1024",
+                "--max-num-seqs", str(max(batches)),
+                "--max-num-batched-tokens", str(base["max_num_batched_tokens"]),
+                "--gpu-memory-utilization", str(gpu_setup.ONE_GPU.ffn_memory),
+            ]  # fmt: skip
+        else:
+            model = build_tiny_deepseek(tmp / "model", version=2)
+            layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+            if depth != layers:
+                raise BenchmarkRefused(f"on CPU the tiny model has {layers} layers, not {depth}")
+            runner_mla, ffn_mla = cpu_mla_backend()
+            colo_kwargs = attn_kwargs = json.loads(runner_mla[1]) if runner_mla else {}
+            env = vllm_env(in_process=True)
+            runner_extra = []
+            ffn_flags = ffn_mla
+        colocated = Proc(_runner(args, model, colo_kwargs, *runner_extra),
+                         tmp / f"colocated-{depth}.log", env, stdin_pipe=True)  # fmt: skip
+        procs.append(colocated)
+        daemon = Daemon(tmp / f"daemon-{depth}.log", "--expect-attention", "1", "--expect-ffn", "1")
+        procs.append(daemon)
+        afd_env = {**env, "AFD_TIMELINE_DIR": str(timeline_dir)}
+        if args.gpu:
+            ffn_argv_ = [
+                sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+                str(model), "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags,
+            ]  # fmt: skip
+            ffn = Proc(ffn_argv_, tmp / f"ffn-{depth}.log", afd_env)
+        else:
+            ffn = Proc(ffn_argv(model, daemon.address, *ffn_flags), tmp / f"ffn-{depth}.log",
+                       {**vllm_env(), "AFD_TIMELINE_DIR": str(timeline_dir)})  # fmt: skip
+        procs.append(ffn)
+        attention = Proc(
+            _runner(args, model, attn_kwargs, *runner_extra, "--afd-controller", daemon.address,
+                    "--ffn-log", str(tmp / f"ffn-{depth}.log")),
+            tmp / f"afd-{depth}.log", afd_env, stdin_pipe=True,
+        )  # fmt: skip
+        procs.append(attention)
+        parts = [Lockstep("colocated", colocated), Lockstep("afd", attention)]
+        for part in parts:
+            part.ready(args.start_timeout)
+        tpot = interleave(parts, batches, args.repeats, args.run_timeout)
+        reports = {part.name: part.finish(args.run_timeout) for part in parts}
+        summary = timeline.summarise(timeline_dir) if timeline_dir.is_dir() else {}
+        return {"tpot_ms": tpot, "reports": reports, "timeline": summary}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    batches = [int(b) for b in args.batches.split(",")]
+    result: dict[str, Any] = {
+        "benchmark": "e2e_decode",
+        "mode": "gpu-interleaved" if args.gpu else "cpu-interleaved",
+        "model": "deepseek-v3-shaped-dummy" if args.gpu else "tiny-deepseek-v2",
+        "depths": sorted(depths),
+        "decode_tokens": args.tokens,
+        "repeats": args.repeats,
+        "interleaved": "A, B then B, A per repeat, both engines up at once",
+        "interval": "95% bootstrap of the ratio of medians",
+        "interval_bound": args.interval_bound,
+    }
+    if args.gpu:
+        result["routing"] = "vLLM uniform_random routing simulation (both sides)"
+        result["distinct_experts_per_moe_layer_per_step"] = {
+            str(b): round(expected_distinct_experts(256, 8, b), 1) for b in batches
+        }
+        result["cudagraph_mode"] = args.cudagraph_mode or "vLLM default"
+    refusals = []
+    for depth, run in sorted(depths.items()):
+        rows: dict[str, Any] = {}
+        for b in batches:
+            afd, colo = run["tpot_ms"]["afd"][b], run["tpot_ms"]["colocated"][b]
+            r = ratio_interval(afd, colo)
+            rows[f"batch_{b}"] = {
+                "tpot_ms_colocated": round(sorted(colo)[len(colo) // 2], 3),
+                "tpot_ms_afd": round(sorted(afd)[len(afd) // 2], 3),
+                "ratio_tpot_afd_vs_colocated": round(r.value, 3),
+                "ratio_interval": r.as_list(),
+                "tpot_ms_repeats": {"colocated": colo, "afd": afd},
+            }
+            if r.relative_width > args.interval_bound:
+                refusals.append(
+                    f"depth {depth}, batch {b}: ratio interval {r.as_list()} is wider than "
+                    f"{args.interval_bound:.0%} of {r.value:.3f}"
+                )
+        afd_report = run["reports"]["afd"]
+        rows["afd_exchange"] = afd_report.get("afd_exchange", {})
+        rows["timeline"] = run.get("timeline", {})
+        result[f"layers_{depth}"] = rows
+    if len(depths) == 2:
+        for b in batches:
+            afd = {d: run["tpot_ms"]["afd"][b] for d, run in depths.items()}
+            colo = {d: run["tpot_ms"]["colocated"][b] for d, run in depths.items()}
+            step, layer = layer_fit(afd, colo)
+            result[f"fit_batch_{b}"] = {
+                "per_step_added_us": round(step.value, 1),
+                "per_step_added_us_interval": step.as_list(1),
+                "per_layer_added_us": round(layer.value, 1),
+                "per_layer_added_us_interval": layer.as_list(1),
+            }
+    if refusals:
+        result["refused"] = refusals
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs every depth not yet in --state (so one depth per call fits a per-call limit), then
+    prints the comparison of what the state holds; exit 3 when refused."""
+    state_path = Path(args.state)
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    wanted = [int(d) for d in args.depths.split(",")]
+    started = time.monotonic()
+    ran = 0
+    for depth in wanted:
+        if str(depth) in state:
+            continue
+        if args.one_depth_per_call and ran:
+            break
+        try:
+            with tempfile.TemporaryDirectory(prefix="afd-e2e-il-") as tmp:
+                run = depth_run(args, depth, Path(tmp))
+        except BenchmarkRefused as exc:  # nonsense or late compiles: no figure of it is kept
+            print(json.dumps({"benchmark": "e2e_decode", "depth": depth, "refused": [str(exc)]}))
+            return 3
+        run["tpot_ms"] = {
+            p: {str(b): v for b, v in per.items()} for p, per in run["tpot_ms"].items()
+        }
+        run["wall_s"] = round(time.monotonic() - started, 1)
+        state[str(depth)] = run
+        state_path.write_text(json.dumps(state))
+        ran += 1
+    depths = {
+        int(d): {**run, "tpot_ms": {p: {int(b): v for b, v in per.items()}
+                                    for p, per in run["tpot_ms"].items()}}
+        for d, run in state.items() if int(d) in wanted
+    }  # fmt: skip
+    result = summarise(args, depths)
+    if args.gpu:
+        result.update(gpu_setup.mps_state(args.mps))
+    result["depths_missing"] = [d for d in wanted if d not in depths]
+    print(json.dumps(result), flush=True)
+    return 3 if "refused" in result else 0

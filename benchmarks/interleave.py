@@ -1,0 +1,158 @@
+"""Interleaved timing of engines that run at once, and the intervals of what is compared.
+
+On a shared GPU (or a loaded CPU machine) a part measured minutes after another one sees other
+conditions, and a spread bound then refuses runs that are only noisy. Here every part's engine
+is up at the same time (benchmarks/decode_runner.py --lockstep), and the driver runs their
+timed repeats in turn at each batch size: A, B, then B, A at the next repeat, so drift and
+order hit both alike. What is compared comes with an interval instead of a refusal:
+
+- `ratio_interval`: the ratio of two parts' median TPOT with a 95% bootstrap interval (each
+  part's repeats resampled);
+- `layer_fit`: what AFD adds per step and per layer, from the added TPOT at two depths
+  (added(L) = a + b * L), each with its bootstrap interval.
+
+A run is refused only for nonsense (non-positive figures, mismatched counts, late compiles:
+decode_runner refuses those) or when an interval is wider than the bound the caller states.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.timing_stats import BenchmarkRefused
+from vllm_ext.testing.processes import Proc
+
+BOOTSTRAP = 2000
+CONFIDENCE = 0.95
+
+
+class Lockstep:
+    """A decode_runner started with --lockstep (stdin_pipe=True), driven one repeat at a time."""
+
+    def __init__(self, name: str, proc: Proc) -> None:
+        self.name = name
+        self.proc = proc
+        self._answers = 0
+
+    def _lines(self, key: str) -> list[dict[str, Any]]:
+        found = []
+        for line in self.proc.log().splitlines():
+            if line.startswith("{") and f'"{key}"' in line:
+                try:
+                    found.append(json.loads(line))
+                except ValueError:
+                    continue
+        return found
+
+    def _wait(self, key: str, count: int, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = self._lines(key)
+            if len(lines) >= count:
+                return lines[count - 1]
+            refused = self._lines("refused")
+            if refused:
+                raise BenchmarkRefused(f"{self.name}: {refused[-1]['refused']}")
+            if self.proc.popen.poll() is not None:
+                raise BenchmarkRefused(f"{self.name} exited: {self.proc.tail(15)}")
+            if time.monotonic() > deadline:
+                raise BenchmarkRefused(f"{self.name}: no {key!r} within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def ready(self, timeout_s: float) -> None:
+        self._wait("ready", 1, timeout_s)
+
+    def run(self, batch: int, repeat: int, timeout_s: float) -> float:
+        """One timed repeat; its TPOT in ms."""
+        self.proc.send(json.dumps({"batch": batch, "repeat": repeat}))
+        self._answers += 1
+        return float(self._wait("run", self._answers, timeout_s)["run"]["tpot_ms"])
+
+    def finish(self, timeout_s: float) -> dict[str, Any]:
+        """Ends the loop; the runner's report."""
+        self.proc.send(json.dumps({"done": True}))
+        return self._wait("batches", 1, timeout_s)  # the report (decode_runner's last line)
+
+
+def interleave(
+    parts: Sequence[Lockstep], batches: Sequence[int], repeats: int, timeout_s: float
+) -> dict[str, dict[int, list[float]]]:
+    """Every part's TPOT (ms) per batch and repeat, the parts taking turns (A, B, then B, A)."""
+    tpot: dict[str, dict[int, list[float]]] = {p.name: {b: [] for b in batches} for p in parts}
+    for r in range(repeats):
+        order = list(parts) if r % 2 == 0 else list(reversed(parts))
+        for b in batches:
+            for part in order:
+                tpot[part.name][b].append(part.run(b, r, timeout_s))
+    return tpot
+
+
+@dataclass(frozen=True)
+class Interval:
+    value: float
+    low: float
+    high: float
+
+    @property
+    def relative_width(self) -> float:
+        return (self.high - self.low) / abs(self.value) if self.value else float("inf")
+
+    def as_list(self, digits: int = 3) -> list[float]:
+        return [round(self.low, digits), round(self.high, digits)]
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    tail = (1 - CONFIDENCE) / 2
+    return ordered[int(tail * len(ordered))], ordered[int((1 - tail) * len(ordered)) - 1]
+
+
+def ratio_interval(num: Sequence[float], den: Sequence[float], seed: int = 0) -> Interval:
+    """median(num) / median(den) with a bootstrap interval (both resampled)."""
+    rng = random.Random(seed)
+    value = statistics.median(num) / statistics.median(den)
+    samples = [
+        statistics.median(rng.choices(num, k=len(num)))
+        / statistics.median(rng.choices(den, k=len(den)))
+        for _ in range(BOOTSTRAP)
+    ]
+    return Interval(value, *_percentiles(samples))
+
+
+def layer_fit(
+    afd: dict[int, Sequence[float]], colocated: dict[int, Sequence[float]], seed: int = 0
+) -> tuple[Interval, Interval]:
+    """(added per step, added per layer), µs, from two depths: added(L) = median TPOT_afd(L) -
+    median TPOT_colocated(L) = per_step + per_layer * L (TPOTs in ms)."""
+    depths = sorted(afd)
+    if len(depths) != 2 or sorted(colocated) != depths:
+        raise BenchmarkRefused(f"the layer fit needs two depths in both parts, got {depths}")
+    lo, hi = depths
+    rng = random.Random(seed)
+
+    def fit(pick: Any) -> tuple[float, float]:
+        added = {L: 1e3 * (pick(afd[L]) - pick(colocated[L])) for L in depths}
+        per_layer = (added[hi] - added[lo]) / (hi - lo)
+        return added[lo] - per_layer * lo, per_layer
+
+    step, layer = fit(statistics.median)
+    boots = [
+        fit(lambda xs: statistics.median(rng.choices(list(xs), k=len(xs))))
+        for _ in range(BOOTSTRAP)
+    ]
+    return (
+        Interval(step, *_percentiles([b[0] for b in boots])),
+        Interval(layer, *_percentiles([b[1] for b in boots])),
+    )
+
+
+def expected_distinct_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts one MoE layer reads per step when each token picks `top_k` of
+    `experts` uniformly at random (vLLM's uniform_random routing simulation)."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)

@@ -1,0 +1,234 @@
+"""The GPU-driven step without a host wait (vllm_ext.exchange.gpu_watchdog,
+vllm_ext.attention.verdicts), driven by a simulated GPU stream (tests/gpu_stream_sim.py: the
+operation lists of afd_data.gpu_protocol on threads that progress by themselves).
+
+What a user would notice: a step closes at once (the host goes on to the next one while the
+GPU runs it); a step that ran to its end gives its tokens; a step in flight when the FFN side
+dies (or that overruns its bound) is released, fails with the reason, and so does every step
+enqueued after it until a reconnect; none of their verdicts passes. And the GPU-driven path
+reports step timings to afd-ctl: `afd-ctl status` shows the path and `afd-ctl trace` a trace.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from afd_ctl.errors import AfdPeerLost, AfdTimeout
+from tests.gpu_stream_sim import SimGpu
+from tests.procs import child_env
+from vllm_ext.attention.step_failures import AfdStepFailed, failing_step
+from vllm_ext.attention.verdicts import Verdicts
+from vllm_ext.exchange.gpu_watchdog import InFlight, StepWatchdog
+
+LAYERS = 4
+FFN_COMPUTE_S = 0.002  # per layer: a step takes about 8 ms on the simulated GPU
+
+
+def wait_until(condition: Callable[[], bool], bound_s: float) -> bool:
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+class Side:
+    """The attention side's host over a simulated GPU: what GpuAttentionExchange does per step
+    (an event at open, the step's operations, an end event handed to the watchdog)."""
+
+    def __init__(self, bound_s: float = 5.0) -> None:
+        self.gpu = SimGpu(LAYERS, FFN_COMPUTE_S)
+        self.lost: str | None = None
+        self.marked: list[str] = []
+        self.watchdog = StepWatchdog(
+            poison=self.gpu.poison, lost=lambda: self.lost, mark_lost=self.marked.append
+        )
+        self.watchdog.start()
+        self.bound_s = bound_s
+
+    def step(self, step_id: int, ffn: bool = True) -> float:
+        """Enqueues one step on both streams; returns the host's time to close it."""
+        t0 = time.perf_counter()
+        start = self.gpu.event(self.gpu.attention)
+        self.gpu.attention_step()
+        if ffn:
+            self.gpu.ffn_step()
+        end = self.gpu.event(self.gpu.attention)
+        now = time.monotonic()
+        self.watchdog.enqueue(InFlight(step_id, start, end, self.bound_s, now, 0.0, 2, 0))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.watchdog.stop()
+        self.gpu.stop()
+
+
+@pytest.fixture
+def side():
+    made: list[Side] = []
+
+    def make(**kwargs: float) -> Side:
+        made.append(Side(**kwargs))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_steps_close_at_once_and_settle_when_their_tokens_are_read(side) -> None:
+    s = side()
+    closes = [s.step(i) for i in range(1, 21)]
+    # The host closed 20 steps of ~8 ms GPU time each in far less than one step's time.
+    assert max(closes) < 0.004 and sum(closes) < 0.02
+    s.watchdog.verdict(range(1, 21), s.bound_s)  # all ran to their end: no raise
+    retired = s.watchdog.take_retired()
+    assert [r.step_id for r in retired] == list(range(1, 21))
+    assert all(r.gpu_s >= LAYERS * FFN_COMPUTE_S * 0.9 for r in retired)
+    assert s.gpu.poisoned == 0 and not s.marked
+
+
+def test_a_lost_ffn_fails_the_steps_in_flight_and_later_ones_until_a_reset(side) -> None:
+    s = side()
+    s.step(1)
+    s.watchdog.verdict([1], s.bound_s)
+    s.gpu.kill_ffn()  # kill -9 of the FFN server: its stream runs no more
+    s.step(2, ffn=False)
+    s.step(3, ffn=False)
+    time.sleep(0.02)  # the attention stream is parked on step 2's first wait
+    assert not s.gpu.drained()
+    s.lost = "ffn rank 0 was reported lost by the control plane"
+    with pytest.raises(AfdPeerLost, match="reported lost"):
+        s.watchdog.verdict([2], s.bound_s)
+    with pytest.raises(AfdPeerLost):
+        s.watchdog.verdict([3], s.bound_s)
+    assert wait_until(s.gpu.drained, 2.0) and s.gpu.poisoned > 0  # released, not hanging
+    assert s.marked and "reported lost" in s.marked[0]  # the data plane knows
+    # The host's next step fails at once with it (told once: the one after waits for a view).
+    assert "reported lost" in (s.watchdog.take_failure() or "")
+    assert s.watchdog.take_failure() is None
+    s.step(4, ffn=False)  # enqueued before the host saw the loss: it consumes poison too
+    with pytest.raises(AfdPeerLost):
+        s.watchdog.verdict([4], s.bound_s)
+    # A reconnect: drained, flags zeroed, the FFN side back; steps run again.
+    s.watchdog.drain("reconnecting", 1.0)
+    s.watchdog.reset()
+    s.lost = None
+    s.gpu.flags.clear()
+    s.gpu.ffn.dead = False
+    s.gpu.ffn.queue.clear()
+    s.step(5)
+    s.watchdog.verdict([5], s.bound_s)
+
+
+def test_a_step_past_its_bound_fails_with_a_timeout(side) -> None:
+    s = side(bound_s=0.2)
+    s.gpu.kill_ffn()  # stalled, and nobody reports a loss
+    s.step(1, ffn=False)
+    t0 = time.monotonic()
+    with pytest.raises(AfdTimeout, match="did not finish within 0.2 s"):
+        s.watchdog.verdict([1], s.bound_s)
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert s.marked  # the transport is marked lost: the next step reconnects or fails
+
+
+def test_a_failed_verdict_fails_the_step_and_is_asked_once(side) -> None:
+    """Verdicts as the attention worker hands them to vLLM: the check of the steps closed since
+    the last sampling raises AfdStepFailed (vLLM fails their requests: no token goes out)."""
+    s = side()
+
+    class Exchange:
+        def settle(self, ids: list[int]) -> None:
+            s.watchdog.verdict(ids, s.bound_s)
+
+    failures: list[BaseException] = []
+    verdicts = Verdicts(lambda step_id: failing_step(step_id, on_failure=failures.append))
+    exchange = Exchange()
+    s.step(1)
+    verdicts.closed(exchange, 1)  # type: ignore[arg-type]
+    verdicts.take()()  # step 1's tokens are good
+    s.gpu.kill_ffn()
+    s.lost = "ffn rank 0 left"
+    s.step(2, ffn=False)
+    verdicts.closed(exchange, 2)  # type: ignore[arg-type]
+    check = verdicts.take()  # taken at sampling; run where the tokens are read
+    with pytest.raises(AfdStepFailed, match="step 2: afd peer lost: ffn rank 0 left"):
+        check()
+    assert len(failures) == 1
+    verdicts.take()()  # nothing left to ask
+
+
+def test_gpu_path_reports_reach_status_and_trace(start_daemon, side, tmp_path: Path) -> None:
+    """A GPU-driven worker's step timings (its watchdog's retired steps, no host wait) reach
+    afd-ctl: `status` shows the path and the timings, `trace` records its steps."""
+    from afd_ctl.client import ControllerClient, WorkerSpec
+    from afd_ctl.trace import check_trace_events
+    from afd_data.gpu_protocol import GPU
+    from vllm_ext.exchange.timing import ExchangeTimings
+
+    daemon = start_daemon()
+    s = side()
+    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", "ATTENTION"), data_plane_blob=b"")
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", "FFN"), data_plane_blob=b"")
+    timings: list[ExchangeTimings] = []
+    for client in (attn, ffn):
+        client.timings.interval_s = 0.1
+        client.timings.layers = LAYERS
+        t = ExchangeTimings(client.timings)
+        t.set_path(GPU)
+        timings.append(t)
+    stop = threading.Event()
+    try:
+        attn.connect(10)
+        ffn.connect(10)
+        tracer: subprocess.Popen[str] | None = None
+        for step_id in range(1, 201):
+            opened = time.monotonic()
+            s.step(step_id)
+            timings[0].host_span(step_id, opened, time.monotonic())
+            for retired in s.watchdog.take_retired():
+                for t in timings:  # the FFN's step graph spans the same GPU time here
+                    t.gpu_step(retired)
+            if step_id == 60:
+                tracer = subprocess.Popen(
+                    [sys.executable, "-m", "afd_ctl.cli", "trace", "--controller",
+                     daemon.address, "--steps", "4", "--out", str(tmp_path / "trace.json")],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                )  # fmt: skip
+            s.watchdog.verdict([step_id], s.bound_s)  # vLLM reads the tokens
+        for client in (attn, ffn):
+            client.timings.flush()
+        assert tracer is not None
+        _, err = tracer.communicate(timeout=60)
+        assert tracer.returncode == 0, err
+        doc = json.loads((tmp_path / "trace.json").read_text())
+        assert check_trace_events(doc) == []
+        names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
+        assert {"step", "gpu"} <= names
+        status = subprocess.run(
+            [sys.executable, "-m", "afd_ctl.cli", "status", "--json", "--controller",
+             daemon.address],
+            capture_output=True, text=True, timeout=30, env=child_env(),
+        )  # fmt: skip
+        loads = {x["worker_id"]: x for x in json.loads(status.stdout)["loads"]}
+        for worker in ("attn-0", "ffn-0"):
+            assert loads[worker]["exchange_path"] == GPU
+            assert float(loads[worker]["compute_ms_per_step"]) >= 1e3 * LAYERS * FFN_COMPUTE_S * 0.9
+        text = subprocess.run(
+            [sys.executable, "-m", "afd_ctl.cli", "status", "--controller", daemon.address],
+            capture_output=True, text=True, timeout=30, env=child_env(),
+        ).stdout  # fmt: skip
+        assert any(line.startswith("attn-0") and " gpu " in line for line in text.splitlines())
+    finally:
+        stop.set()
+        for client in (attn, ffn):
+            client.close()

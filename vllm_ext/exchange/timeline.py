@@ -1,0 +1,105 @@
+"""A timeline of GPU-driven steps on both sides, for finding where a step's time goes.
+
+Off unless `AFD_TIMELINE_DIR` names a folder: then each worker writes one JSON line per step
+that ran to its end (`<role>-<rank>-<pid>.jsonl`): its step id and rows, the host's stamps
+(`host_open`: the attention side opened the step / the FFN side took its payload;
+`host_enqueued`: its last GPU operation was enqueued or its graph launched) and its GPU span
+(`gpu_start`, `gpu_end`: its first and last event, placed on the host's clock), all in seconds
+of `time.monotonic()`, which every process of a host shares. benchmarks/timeline.py joins the
+two sides' files.
+
+GPU times are placed on the host's clock by anchors (`GpuClock`): an event recorded on a
+stream of its own, whose completion the host sees within microseconds; an anchor older than
+`REANCHOR_S` is renewed (so clock drift stays far below a step), never with a sync of the
+compute stream. Lines are written when the host reports retired steps (between steps), at most
+`MAX_LINES` per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_ext.exchange.gpu_watchdog import Retired
+
+ENV = "AFD_TIMELINE_DIR"
+MAX_LINES = 200_000
+REANCHOR_S = 5.0
+
+
+class GpuClock:
+    """Maps a CUDA timing event to the host's monotonic clock."""
+
+    def __init__(self) -> None:
+        self._stream = torch.cuda.Stream()
+        self._event: Any = None
+        self._host = 0.0
+
+    def _anchor(self) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        before = time.monotonic()
+        event.record(self._stream)
+        deadline = before + 0.05
+        while not event.query():  # a stream of its own: nothing runs before it
+            if time.monotonic() > deadline:
+                return  # the device is saturated with other work: keep the old anchor
+        after = time.monotonic()
+        self._event, self._host = event, (before + after) / 2
+
+    def host_time(self, event: Any) -> float | None:
+        """When `event` (a completed timing CUDA event) happened, in host monotonic seconds;
+        None while no anchor could be taken (the device never idled enough)."""
+        if self._event is None or time.monotonic() - self._host > REANCHOR_S:
+            self._anchor()
+        if self._event is None:
+            return None
+        return self._host + float(self._event.elapsed_time(event)) / 1e3
+
+
+class Timeline:
+    """One worker's timeline file, or nothing when AFD_TIMELINE_DIR is unset."""
+
+    def __init__(self, role: str, rank: int) -> None:
+        folder = os.environ.get(ENV, "")
+        self._file: IO[str] | None = None
+        self._lines = 0
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            path = Path(folder) / f"{role}-{rank}-{os.getpid()}.jsonl"
+            self._file = path.open("a", buffering=1 << 16)
+            self._clock = GpuClock()
+
+    @property
+    def on(self) -> bool:
+        return self._file is not None
+
+    def step(self, retired: Retired) -> None:
+        """One step that ran to its end (its events have passed)."""
+        start: Any = retired.start  # vllm_ext.exchange.gpu.CudaEvent
+        end: Any = retired.end
+        if self._file is None or self._lines >= MAX_LINES or start is None or end is None:
+            return
+        gpu_start, gpu_end = (self._clock.host_time(e.event) for e in (start, end))
+        if gpu_start is None or gpu_end is None:
+            return
+        line = {
+            "step": retired.step_id,
+            "rows": retired.tokens,
+            "host_open": round(retired.enqueued_at - retired.host_s, 7),
+            "host_enqueued": round(retired.enqueued_at, 7),
+            "gpu_start": round(gpu_start, 7),
+            "gpu_end": round(gpu_end, 7),
+        }
+        self._file.write(json.dumps(line) + "\n")
+        self._lines += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
