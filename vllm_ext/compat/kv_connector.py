@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,14 +60,19 @@ class _Lifecycle:
     def __init__(self) -> None:
         self.ran_for: Any = None  # the SchedulerOutput whose KV work ran last
         self.stranded: Any = None  # a failed step's KV connector output, not delivered yet
+        self._lock = threading.Lock()
 
     def strand(self, output: Any) -> None:
-        self.stranded = output if self.stranded is None else merged(self.stranded, output)
+        if output is None:
+            return
+        with self._lock:  # a GPU-driven step's verdict fails on vLLM's async output thread
+            self.stranded = output if self.stranded is None else merged(self.stranded, output)
 
     def deliver_into(self, output: Any) -> None:
-        if self.stranded is None:
+        with self._lock:
+            kept, self.stranded = self.stranded, None
+        if kept is None:
             return
-        kept, self.stranded = self.stranded, None
         fold_into(output, kept)
         log.info("afd: a failed step's KV transfer results go to the scheduler now (%s)", kept)
 

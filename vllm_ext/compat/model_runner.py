@@ -1,7 +1,8 @@
 """Seam: the V1 model runner's private methods the AFD attention runner overrides
 (`vllm/v1/worker/gpu_model_runner.py` `GPUModelRunner`: `_determine_batch_execution_and_padding`,
 `_model_forward`, `_dummy_run`; CPUModelRunner inherits them) and the tuple the first returns;
-its `execute_model`, only to settle a failed step's KV connector work (`kv_connector`).
+its `execute_model`, only to settle a failed step's KV connector work (`kv_connector`; a step
+whose verdict fails where its tokens are read keeps that work too).
 
 `sample_tokens` is where a step's sampled tokens leave the runner: the AFD verdict of a
 GPU-driven step (only enqueued when it closed) is checked where they are first read.
@@ -49,17 +50,29 @@ def check_before_tokens(output: Any, check: Any) -> Any:
     from vllm.v1.outputs import AsyncModelRunnerOutput
 
     if not isinstance(output, AsyncModelRunnerOutput):
-        check()
+        _checked(output, check)
         return output
     get_output = output.get_output
 
     def checked_get_output() -> Any:
         result = get_output()
-        check()
+        _checked(result, check)
         return result
 
     output.get_output = checked_get_output
     return output
+
+
+def _checked(output: Any, check: Any) -> None:
+    """check(); a failed step's KV connector results (in its ModelRunnerOutput, which the
+    failure keeps from the scheduler) go to the scheduler with the next step's output."""
+    try:
+        check()
+    except BaseException:
+        from vllm_ext.compat import kv_connector
+
+        kv_connector.LIFECYCLE.strand(getattr(output, "kv_connector_output", None))
+        raise
 
 
 def padding_decision(result: tuple) -> tuple[int, list[int] | None, str, bool]:
