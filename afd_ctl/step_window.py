@@ -19,6 +19,8 @@ from afd_ctl.report_checks import MAX_REPORT_BYTES, checked_report
 from afd_ctl.v1 import afd_pb2
 
 WINDOW_REPORTS = 64
+# A worker's pace is measured over at least this long between reports.
+MIN_PACE_INTERVAL_S = 0.05
 # At most this many reports a second per worker, in bursts of at most REPORT_BURST (reports
 # sent a second apart can arrive together); more are dropped.
 MAX_REPORTS_PER_S = 20.0
@@ -78,6 +80,11 @@ class WorkerWindow:
     warmup_compute_s: float = 0.0
     exchange_path: str = ""  # of its latest report
     nbytes: int = 0
+    # Its pace: steps a second between its last two reports (what a trace's lead is set from),
+    # and when its latest report came and the step it ended at.
+    steps_per_s: float = 0.0
+    seen_at: float = 0.0
+    seen_step: int = 0
     # Token bucket of the rate bound: reports it may take now, and when it was last filled.
     allowance: float = REPORT_BURST
     filled_at: float = 0.0
@@ -152,8 +159,16 @@ class StepWindows:
         window.dropped += 1
         window.last_refusal = why
 
-    def add(self, window: WorkerWindow, report: afd_pb2.StepTimings) -> None:
+    def add(
+        self, window: WorkerWindow, report: afd_pb2.StepTimings, now: float | None = None
+    ) -> None:
         """Takes a checked report: warm-up steps are counted apart, the rest kept."""
+        now = time.monotonic() if now is None else now
+        if window.seen_at and report.last_step_id > window.seen_step:
+            # (two reports that arrive together do not make a pace of thousands a second)
+            elapsed = max(now - window.seen_at, MIN_PACE_INTERVAL_S)
+            window.steps_per_s = (report.last_step_id - window.seen_step) / elapsed
+        window.seen_at, window.seen_step = now, max(window.seen_step, report.last_step_id)
         window.exchange_path = report.exchange_path or window.exchange_path
         if report.warmup:
             window.warmup_steps += report.steps
@@ -195,7 +210,7 @@ class StepWindows:
         if clean is None:
             self.refuse(window, why)
             return False
-        self.add(window, clean)
+        self.add(window, clean, now)
         return True
 
     def forget(self, worker_id: str) -> None:

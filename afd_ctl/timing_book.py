@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -28,6 +29,10 @@ from afd_ctl.v1 import afd_pb2
 from afd_ctl.wire import ROLE_TO_PROTO
 
 log = logging.getLogger(__name__)
+
+# A trace starts this long ahead of every worker's pace (at most MAX_LEAD_STEPS steps ahead).
+TRACE_LEAD_S = 0.5
+MAX_LEAD_STEPS = 10_000
 # Warm-up step ranges remembered per group (start-up has a few runs of them).
 WARMUP_RANGES = 32
 UINT64_MAX = (1 << 64) - 1
@@ -102,7 +107,7 @@ class TimingBook:
             return False
         if relayed is not None and relayed.overlaps_warmup(clean.first_step_id, clean.last_step_id):
             clean.warmup = True
-        windows.add(window, clean)
+        windows.add(window, clean, now)
         return True
 
     def _log_refusal(self, worker_id: str, why: str) -> None:
@@ -139,12 +144,15 @@ class TimingBook:
             )
         # Ahead of every worker: two steps past the last relayed payload (the next one may be on
         # its way), and past each worker's last report by as many steps again as that report
-        # held (reports lag by up to one interval; steps that no payload names, too).
+        # held (reports lag by up to one interval; steps that no payload names, too), and further
+        # by TRACE_LEAD_S of steps at its pace (a loaded host may take that long to hand the
+        # request to a worker; a worker that gets it past the first step sends no spans).
         first = last_step_id + 2
         for worker_id in asked:
-            reports = self.step_windows.windows[worker_id].reports
-            if reports:
-                first = max(first, reports[-1].last_step_id + reports[-1].steps + 2)
+            window = self.step_windows.windows[worker_id]
+            lag = window.reports[-1].steps if window.reports else 0
+            ahead = min(math.ceil(window.steps_per_s * TRACE_LEAD_S), MAX_LEAD_STEPS)
+            first = max(first, window.seen_step + lag + ahead + 2)
         if first + steps - 1 > UINT64_MAX:  # step ids are bounded (report_checks): not reached
             raise ControlError(
                 "FAILED_PRECONDITION",

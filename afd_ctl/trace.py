@@ -107,6 +107,12 @@ class PendingTrace:
             )
         if refused:
             self.problems.append(f"{worker_id}: {refused} span(s) left out, the first: {first_why}")
+        elif not answer.spans:
+            self.problems.append(
+                f"{worker_id}: sent no spans of steps {self.first_step_id}.."
+                f"{self.first_step_id + self.steps - 1}: the request reached it after those "
+                "steps (a loaded host) or it ran none of them; run afd-ctl trace again"
+            )
         self.spans_kept += len(answer.spans)
         self.answers[worker_id] = answer
         return True

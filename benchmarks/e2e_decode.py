@@ -579,7 +579,8 @@ def main() -> None:
     gpu.add_argument("--gpu", action="store_true", help="DeepSeek-V3-shaped, two GPUs")
     gpu.add_argument(
         "--part", default="",
-        help="comma-separated parts to run, interleaved per round (else: summarise state)",
+        help="comma-separated parts to run, interleaved per round (else: summarise state); "
+        "with --interleave: two or more of colocated, afd, afd_dbo (default colocated,afd)",
     )  # fmt: skip
     gpu.add_argument("--state", default="e2e_gpu_state.json", help="runs' figures accumulate here")
     gpu.add_argument("--batches", default="16,64,256")

@@ -10,6 +10,13 @@ with its 95% bootstrap interval, and with two depths the fit of what AFD adds pe
 per layer, each with its interval. A ratio interval wider than `--interval-bound` (relative)
 refuses the run, naming it; everything else decode_runner refuses stays refused.
 
+`--part` picks the parts (default `colocated,afd`): `afd_dbo` is an AFD pair whose attention
+engine runs dual-batch overlap (`--enable-dbo`, vLLM's decode threshold), GPU only (vLLM's
+micro-batching needs CUDA). Every later part is compared with every earlier one
+(`ratio_tpot_afd_dbo_vs_afd`, `ratio_tpot_afd_dbo_vs_colocated`, ...). One H200 holds two
+V3-shaped engines of 3 layers, not three: there, `colocated,afd_dbo` and `afd,afd_dbo` are two
+calls.
+
 On GPU the MoE layers route with vLLM's uniform random routing simulation on both sides
 (VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random), so each MoE layer reads as many experts
 per step as balanced traffic would, not the few a dummy model's collapsed tokens pick; the JSON
@@ -54,8 +61,24 @@ def _runner(
     ]  # fmt: skip
 
 
+INTERLEAVED_PARTS = ("colocated", "afd", "afd_dbo")
+
+
+def parts_of(args: argparse.Namespace) -> list[str]:
+    """The parts to interleave, checked (at least two, known, GPU-only ones on GPU)."""
+    parts = [p for p in (args.part or "colocated,afd").split(",") if p]
+    unknown = [p for p in parts if p not in INTERLEAVED_PARTS]
+    if unknown or len(set(parts)) != len(parts) or len(parts) < 2:
+        raise SystemExit(
+            f"--part {args.part!r}: give two or more of {', '.join(INTERLEAVED_PARTS)}, each once"
+        )
+    if "afd_dbo" in parts and not args.gpu:
+        raise SystemExit("--part afd_dbo needs --gpu: vLLM's micro-batching runs on CUDA only")
+    return parts
+
+
 def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]:
-    """Both parts at one depth, interleaved: their TPOT repeats per batch and reports."""
+    """Every part at one depth, interleaved: their TPOT repeats per batch and reports."""
     from benchmarks.e2e_decode import build_tiny_deepseek, cpu_mla_backend, gpu_llm_kwargs
     from vllm_ext.testing.procs import ffn_argv, vllm_env
 
@@ -91,35 +114,54 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             env = vllm_env(in_process=True)
             runner_extra = []
             ffn_flags = ffn_mla
-        colocated = Proc(_runner(args, model, colo_kwargs, *runner_extra),
-                         tmp / f"colocated-{depth}.log", env, stdin_pipe=True)  # fmt: skip
-        procs.append(colocated)
-        daemon = Daemon(tmp / f"daemon-{depth}.log", "--expect-attention", "1", "--expect-ffn", "1")
-        procs.append(daemon)
-        afd_env = {**env, "AFD_TIMELINE_DIR": str(timeline_dir)}
-        if args.gpu:
-            ffn_argv_ = [
-                sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
-                str(model), "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags,
-            ]  # fmt: skip
-            ffn = Proc(ffn_argv_, tmp / f"ffn-{depth}.log", afd_env)
-        else:
-            ffn = Proc(ffn_argv(model, daemon.address, *ffn_flags), tmp / f"ffn-{depth}.log",
-                       {**vllm_env(), "AFD_TIMELINE_DIR": str(timeline_dir)})  # fmt: skip
-        procs.append(ffn)
-        attention = Proc(
-            _runner(args, model, attn_kwargs, *runner_extra, "--afd-controller", daemon.address,
-                    "--ffn-log", str(tmp / f"ffn-{depth}.log")),
-            tmp / f"afd-{depth}.log", afd_env, stdin_pipe=True,
-        )  # fmt: skip
-        procs.append(attention)
-        parts = [Lockstep("colocated", colocated), Lockstep("afd", attention)]
-        for part in parts:
+
+        def afd_pair(part: str) -> Proc:
+            """afd-ctl, an FFN server and the attention engine of one AFD part."""
+            daemon = Daemon(tmp / f"daemon-{part}-{depth}.log",
+                            "--expect-attention", "1", "--expect-ffn", "1")  # fmt: skip
+            procs.append(daemon)
+            part_timeline = str(timeline_dir / part)
+            ffn_log = tmp / f"ffn-{part}-{depth}.log"
+            if args.gpu:
+                argv = [
+                    sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+                    "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags,
+                ]  # fmt: skip
+                procs.append(Proc(argv, ffn_log, {**env, "AFD_TIMELINE_DIR": part_timeline}))
+            else:
+                ffn_env = {**vllm_env(), "AFD_TIMELINE_DIR": part_timeline}
+                procs.append(Proc(ffn_argv(model, daemon.address, *ffn_flags), ffn_log, ffn_env))
+            kwargs = dict(attn_kwargs)
+            if part == "afd_dbo":  # dual-batch overlap from vLLM's decode threshold on
+                kwargs["enable_dbo"] = True
+            attention = Proc(
+                _runner(args, model, kwargs, *runner_extra, "--afd-controller", daemon.address,
+                        "--ffn-log", str(ffn_log)),
+                tmp / f"{part}-{depth}.log", {**env, "AFD_TIMELINE_DIR": part_timeline},
+                stdin_pipe=True,
+            )  # fmt: skip
+            procs.append(attention)
+            return attention
+
+        lockstep = []
+        for part in parts_of(args):
+            if part == "colocated":
+                proc = Proc(_runner(args, model, colo_kwargs, *runner_extra),
+                            tmp / f"colocated-{depth}.log", env, stdin_pipe=True)  # fmt: skip
+                procs.append(proc)
+            else:
+                proc = afd_pair(part)
+            lockstep.append(Lockstep(part, proc))
+        for part in lockstep:
             part.ready(args.start_timeout)
-        tpot = interleave(parts, batches, args.repeats, args.run_timeout)
-        reports = {part.name: part.finish(args.run_timeout) for part in parts}
-        summary = timeline.summarise(timeline_dir) if timeline_dir.is_dir() else {}
-        return {"tpot_ms": tpot, "reports": reports, "timeline": summary}
+        tpot = interleave(lockstep, batches, args.repeats, args.run_timeout)
+        reports = {part.name: part.finish(args.run_timeout) for part in lockstep}
+        summaries = {
+            part.name: timeline.summarise(timeline_dir / part.name)
+            for part in lockstep
+            if (timeline_dir / part.name).is_dir()
+        }
+        return {"tpot_ms": tpot, "reports": reports, "timelines": summaries}
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -134,7 +176,8 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
         "depths": sorted(depths),
         "decode_tokens": args.tokens,
         "repeats": args.repeats,
-        "interleaved": "A, B then B, A per repeat, both engines up at once",
+        "parts": parts_of(args),
+        "interleaved": "A, B then B, A per repeat, every engine up at once",
         "interval": "95% bootstrap of the ratio of medians",
         "interval_bound": args.interval_bound,
     }
@@ -146,52 +189,61 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
         result["cudagraph_mode"] = args.cudagraph_mode or "vLLM default"
     refusals = []
     for depth, run in sorted(depths.items()):
+        parts = list(run["tpot_ms"])
         rows: dict[str, Any] = {}
         for b in batches:
-            afd, colo = run["tpot_ms"]["afd"][b], run["tpot_ms"]["colocated"][b]
-            r = ratio_interval(afd, colo)
-            rows[f"batch_{b}"] = {
-                "tpot_ms_colocated": round(sorted(colo)[len(colo) // 2], 3),
-                "tpot_ms_afd": round(sorted(afd)[len(afd) // 2], 3),
-                "ratio_tpot_afd_vs_colocated": round(r.value, 3),
-                "ratio_interval": r.as_list(),
-                "tpot_ms_repeats": {"colocated": colo, "afd": afd},
+            tpot = {p: run["tpot_ms"][p][b] for p in parts}
+            row: dict[str, Any] = {
+                f"tpot_ms_{p}": round(sorted(v)[len(v) // 2], 3) for p, v in tpot.items()
             }
-            if r.relative_width > args.interval_bound:
-                refusals.append(
-                    f"depth {depth}, batch {b}: ratio interval {r.as_list()} is wider than "
-                    f"{args.interval_bound:.0%} of {r.value:.3f}"
-                )
-        afd_report = run["reports"]["afd"]
-        rows["afd_exchange"] = afd_report.get("afd_exchange", {})
-        rows["timeline"] = run.get("timeline", {})
+            for i, earlier in enumerate(parts):
+                for later in parts[i + 1 :]:
+                    r = ratio_interval(tpot[later], tpot[earlier])
+                    key = f"ratio_tpot_{later}_vs_{earlier}"
+                    row[key], row[f"{key}_interval"] = round(r.value, 3), r.as_list()
+                    if r.relative_width > args.interval_bound:
+                        refusals.append(
+                            f"depth {depth}, batch {b}: {later} / {earlier} interval "
+                            f"{r.as_list()} is wider than {args.interval_bound:.0%} of "
+                            f"{r.value:.3f}"
+                        )
+            row["tpot_ms_repeats"] = tpot
+            rows[f"batch_{b}"] = row
+        for p in parts:
+            if p.startswith("afd"):
+                rows[f"{p}_exchange"] = run["reports"][p].get("afd_exchange", {})
+                rows[f"{p}_timeline"] = run.get("timelines", {}).get(p, {})
         result[f"layers_{depth}"] = rows
-    if len(depths) == 2:
-        for b in batches:
-            afd = {d: run["tpot_ms"]["afd"][b] for d, run in depths.items()}
-            colo = {d: run["tpot_ms"]["colocated"][b] for d, run in depths.items()}
-            step, layer = layer_fit(afd, colo)
-            result[f"fit_batch_{b}"] = {
-                "per_step_added_us": round(step.value, 1),
-                "per_step_added_us_interval": step.as_list(1),
-                "per_layer_added_us": round(layer.value, 1),
-                "per_layer_added_us_interval": layer.as_list(1),
-            }
+    afd_parts = [p for p in ("afd", "afd_dbo") if all(p in r["tpot_ms"] for r in depths.values())]
+    colocated_in_all = all("colocated" in r["tpot_ms"] for r in depths.values())
+    if len(depths) == 2 and colocated_in_all:
+        for p in afd_parts:
+            for b in batches:
+                afd = {d: run["tpot_ms"][p][b] for d, run in depths.items()}
+                colo = {d: run["tpot_ms"]["colocated"][b] for d, run in depths.items()}
+                step, layer = layer_fit(afd, colo)
+                result[f"fit_{p}_batch_{b}"] = {
+                    "per_step_added_us": round(step.value, 1),
+                    "per_step_added_us_interval": step.as_list(1),
+                    "per_layer_added_us": round(layer.value, 1),
+                    "per_layer_added_us_interval": layer.as_list(1),
+                }
     if refusals:
         result["refused"] = refusals
     return result
 
 
 def main(args: argparse.Namespace) -> int:
-    """Runs every depth not yet in --state (so one depth per call fits a per-call limit), then
-    prints the comparison of what the state holds; exit 3 when refused."""
+    """Runs every depth not yet in --state for these parts (so one depth per call fits a
+    per-call limit), then prints the comparison of what the state holds; exit 3 when refused."""
     state_path = Path(args.state)
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
     wanted = [int(d) for d in args.depths.split(",")]
+    parts = "+".join(parts_of(args))  # a state keeps each set of parts' depths apart
     started = time.monotonic()
     ran = 0
     for depth in wanted:
-        if str(depth) in state:
+        if f"{parts}@{depth}" in state:
             continue
         if args.one_depth_per_call and ran:
             break
@@ -205,13 +257,13 @@ def main(args: argparse.Namespace) -> int:
             p: {str(b): v for b, v in per.items()} for p, per in run["tpot_ms"].items()
         }
         run["wall_s"] = round(time.monotonic() - started, 1)
-        state[str(depth)] = run
+        state[f"{parts}@{depth}"] = run
         state_path.write_text(json.dumps(state))
         ran += 1
     depths = {
-        int(d): {**run, "tpot_ms": {p: {int(b): v for b, v in per.items()}
-                                    for p, per in run["tpot_ms"].items()}}
-        for d, run in state.items() if int(d) in wanted
+        d: {**run, "tpot_ms": {p: {int(b): v for b, v in per.items()}
+                               for p, per in run["tpot_ms"].items()}}
+        for d in wanted if (run := state.get(f"{parts}@{d}")) is not None
     }  # fmt: skip
     result = summarise(args, depths)
     if args.gpu:

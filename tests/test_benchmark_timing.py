@@ -264,3 +264,37 @@ def test_expected_distinct_experts_under_uniform_routing() -> None:
     assert expected_distinct_experts(256, 8, 1) == pytest.approx(8.0)
     assert expected_distinct_experts(256, 8, 16) == pytest.approx(102.0, abs=0.5)
     assert expected_distinct_experts(256, 8, 256) > 255
+
+
+def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() -> None:
+    """Issue 34: AFD with dual-batch overlap beside AFD and colocated; each ratio with its
+    interval, a noisy pair refused by name, the exchange and timeline per AFD part."""
+    import argparse
+
+    from benchmarks.e2e_interleaved import parts_of, summarise
+
+    args = argparse.Namespace(
+        part="colocated,afd,afd_dbo", gpu=True, batches="64,256", tokens=256, repeats=5,
+        interval_bound=0.25, cudagraph_mode="FULL_DECODE_ONLY",
+    )  # fmt: skip
+    assert parts_of(args) == ["colocated", "afd", "afd_dbo"]
+    tpot = {
+        "colocated": {64: [5.0] * 5, 256: [8.0] * 5},
+        "afd": {64: [5.1] * 5, 256: [8.2] * 5},
+        "afd_dbo": {64: [5.0] * 5, 256: [1.0, 6.0, 6.5, 7.0, 20.0]},
+    }
+    reports = {p: {"afd_exchange": {"gpu_driven": 1.0}} for p in ("afd", "afd_dbo")}
+    run = {"tpot_ms": tpot, "reports": {"colocated": {}, **reports}, "timelines": {}}
+    result = summarise(args, {3: run})
+    row = result["layers_3"]["batch_256"]
+    assert row["ratio_tpot_afd_vs_colocated"] == pytest.approx(8.2 / 8.0, abs=1e-3)
+    assert row["ratio_tpot_afd_dbo_vs_afd"] == pytest.approx(6.5 / 8.2, abs=1e-3)
+    assert row["ratio_tpot_afd_dbo_vs_colocated"] == pytest.approx(6.5 / 8.0, abs=1e-3)
+    assert set(result["layers_3"]) >= {"afd_exchange", "afd_dbo_exchange", "afd_dbo_timeline"}
+    assert any("batch 256: afd_dbo / colocated interval" in r for r in result["refused"])
+    assert not any("batch 64" in r for r in result["refused"])
+    for bad in ("afd,afd", "afd", "colocated,afd_ep2"):
+        with pytest.raises(SystemExit, match="give two or more"):
+            parts_of(argparse.Namespace(part=bad, gpu=True))
+    with pytest.raises(SystemExit, match="needs --gpu"):
+        parts_of(argparse.Namespace(part="colocated,afd_dbo", gpu=False))

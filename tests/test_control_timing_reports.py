@@ -295,3 +295,24 @@ def test_padded_reports_and_huge_step_ids_through_a_real_daemon(start_daemon) ->
     finally:
         for client in (attention, ffn):
             client.close()
+
+
+def test_a_trace_starts_half_a_second_of_steps_ahead_of_each_workers_pace():
+    """The CI run of 2026-12-02: a trace asked of workers reporting every 0.1 s started 15
+    steps ahead, the loaded host handed the FFN the request after those steps, and the FFN
+    sent no spans. The lead now covers 0.5 s at each worker's pace; an empty answer is named."""
+
+    async def scenario():
+        c, a, f = controller()
+        # f: 100 steps a report, 10 reports a second (1,000 steps a second).
+        for i in range(3):
+            assert c.timing.record(f.worker, report(1 + 100 * i, 100), now=1.0 + 0.1 * i)
+        trace = c.start_trace(4)
+        # After its last step (300): one report's lag (100) and 0.5 s at its pace (500).
+        assert 300 + 100 + 500 <= trace.first_step_id <= 300 + 100 + 500 + 3
+        spans = afd_pb2.TraceSpans(trace_id=trace.trace_id, worker_received_s=1, worker_sent_s=2)
+        c.record_trace(f, spans, 3.0)
+        assert any("f0: sent no spans of steps" in p for p in trace.result().problems)
+        c.timing.end_trace(trace)
+
+    asyncio.run(scenario())

@@ -260,10 +260,11 @@ def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
             f"{parallel.ubatch_size}"
         )
     log.warning(
-        "afd attention: --enable-dbo: vLLM runs a micro-batched step without CUDA graphs on "
-        "this side (it captures micro-batched graphs only in FULL mode, which the host-driven "
-        "AFD exchange cannot join); the FFN side replays its graphs per micro-batch. Measure "
-        "TPOT with and without it (benchmarks/e2e_decode.py --part afd_dbo)"
+        "afd attention: --enable-dbo: vLLM captures micro-batched steps only in FULL CUDA-graph "
+        "modes, which only the GPU-driven exchange (FFN peers on this host) joins; on the "
+        "host-driven exchange they run without graphs, slower than without overlap so far. "
+        "Measure TPOT with and without it (benchmarks/e2e_decode.py --interleave --part "
+        "afd,afd_dbo)"
     )
 
 

@@ -540,7 +540,9 @@ def run_group(group: str, out: Path, names: list[str]) -> list[dict[str, Any]]:
         elif group == "dbo":
             if v == "qwen3":
                 continue
-            for mode in ("eager", "default"):  # dual-batch overlap at attention DP 1
+            # Dual-batch overlap at attention DP 1; FULL_DECODE_ONLY captures the micro-batched
+            # steps as FULL graphs with the GPU-driven exchange inside (issue 34).
+            for mode in ("eager", "default", "full_decode_only"):
 
                 def dbo(model: Path = model, label: str = label, mode: str = mode) -> None:
                     afd_case(out, results, model, label, mode, topology("2gpu"), dbo=True)

@@ -25,7 +25,8 @@ for step in "$@"; do
       tail -3 "$OUT/units.txt" ;;
     e2e_il)
       # Colocated and AFD up at once, interleaved per batch; one depth per call (the state
-      # file keeps the others); E2E_ARGS e.g. "--depths 2,3 --cudagraph-mode FULL_DECODE_ONLY".
+      # file keeps the others); E2E_ARGS e.g. "--depths 2,3 --cudagraph-mode FULL_DECODE_ONLY",
+      # and "--part colocated,afd_dbo" or "--part afd,afd_dbo" for dual-batch overlap.
       # shellcheck disable=SC2086
       timeout "${E2E_S:-560}" python3 "$ROOT/benchmarks/e2e_decode.py" --gpu --one-gpu \
         --interleave --one-depth-per-call --state "$OUT/e2e_il_state.json" ${E2E_ARGS:-} \
