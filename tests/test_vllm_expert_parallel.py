@@ -18,6 +18,7 @@ import json
 import signal
 import sys
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -208,10 +209,17 @@ def test_attention_dp2_to_one_expert_parallel_group_matches_colocated(
         "--expert-parallel-size", str(num_ffn),
     )  # fmt: skip
     ffns = start_ffn_ranks(model, daemon, procs, tmp_path, num_ffn)
+    # Seven processes on the CI's 2 cores: a step took longer than the 10 s default bound
+    # there once (a 503 in the 2:4 case), a machine too small for the topology, not a fault.
     attention, port = start_attention_server(
-        model, daemon, procs, tmp_path, "--data-parallel-size", "2"
-    )
-    assert complete_each(port, model) == want
+        model, daemon, procs, tmp_path, "--data-parallel-size", "2",
+        "--additional-config", json.dumps({"afd": {"step_timeout_s": 60}}),
+    )  # fmt: skip
+    try:
+        got = complete_each(port, model)
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{exc}; the attention log ends:\n{attention.tail()}") from exc
+    assert got == want
     assert_shards(ffns, num_ffn)
     attention.signal(signal.SIGTERM)
     assert attention.wait(60) == 0, attention.tail()

@@ -542,7 +542,7 @@ def run_group(group: str, out: Path, names: list[str]) -> list[dict[str, Any]]:
                 continue
             # Dual-batch overlap at attention DP 1; FULL_DECODE_ONLY captures the micro-batched
             # steps as FULL graphs with the GPU-driven exchange inside (issue 34).
-            for mode in ("eager", "default", "full_decode_only"):
+            for mode in MODES:
 
                 def dbo(model: Path = model, label: str = label, mode: str = mode) -> None:
                     afd_case(out, results, model, label, mode, topology("2gpu"), dbo=True)
@@ -570,7 +570,9 @@ def main() -> int:
     parser.add_argument(
         "--models", default="2,3", help=f"of {', '.join(MODELS)} (tiny DeepSeek V2/V3, Qwen3-MoE)"
     )
-    parser.add_argument("--modes", default=",".join(MODES), help="graph modes of the pairs group")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="graph modes of the pairs and dbo groups"
+    )
     args = parser.parse_args()
     MODES = tuple(args.modes.split(","))
     import torch

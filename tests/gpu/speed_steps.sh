@@ -3,9 +3,10 @@
 # each under its own time bound, logs and JSON into $OUT. Run it inside tests/gpu/with_mps.sh
 # on one GPU (the attention and FFN processes then run concurrently).
 #
-#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop pairs failure e2e e2e_il ep
+#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop pairs failure dbo e2e e2e_il ep
 #
-# MODELS (default 2) and MODES (default default,full_decode_only) narrow the pairs step;
+# MODELS (default 2) and MODES (default default,full_decode_only) narrow the pairs and dbo
+# steps (dbo: dual-batch overlap at attention DP 1 against colocated, issue 34);
 # E2E_ARGS are extra benchmarks/e2e_decode.py arguments.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -36,7 +37,7 @@ for step in "$@"; do
       timeout 180 python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 1000 \
         > "$OUT/hop.txt" 2>&1 || rc=1
       tail -3 "$OUT/hop.txt" | cut -c1-1500 ;;
-    pairs|failure)
+    pairs|failure|dbo)
       GPU_CHECK_ARGS="--models ${MODELS:-2} --modes ${MODES:-default,full_decode_only}" \
         OUT="$OUT/check" WORK=/tmp/afd-gpu-check timeout "${CHECK_S:-420}" \
         bash "$ROOT/tests/gpu/run_gpu_check.sh" "$step" || rc=1 ;;
