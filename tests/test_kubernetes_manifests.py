@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl (with kustomize v5) is not installed"
 )
 
-OVERLAYS = ["base", "overlays/m-n", "overlays/tls", "overlays/cpu-ci"]
+OVERLAYS = ["base", "overlays/m-n", "overlays/tls", "overlays/cpu-ci", "overlays/pd"]
 
 
 def validate(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -107,6 +108,42 @@ def test_m_n_overlay_agrees_on_m_and_n() -> None:
         int(ctl["AFD_CTL_EXPECT_FFN"]) == find(docs, "StatefulSet", "afd-ffn")["spec"]["replicas"]
     )
     assert attention["resources"]["limits"]["nvidia.com/gpu"] == dp
+
+
+def test_pd_overlay_wires_prefill_router_and_the_afd_decode_side() -> None:
+    """overlays/pd: prefill servers as KV producers and the attention server as the KV
+    consumer on the same connector, the FFN server with no KV transfer config, each prefill
+    pod's NIXL side channel on its own address, and the router pointing at both Services."""
+    docs = render("overlays/pd")
+
+    def kv_config(c: dict[str, Any]) -> dict[str, Any] | None:
+        args = c["args"]
+        if "--kv-transfer-config" not in args:
+            return None
+        return dict(json.loads(args[args.index("--kv-transfer-config") + 1]))
+
+    prefill = container(docs, "Deployment", "afd-prefill")
+    attention = container(docs, "Deployment", "afd-attention")
+    produce, consume = kv_config(prefill), kv_config(attention)
+    assert produce is not None and consume is not None
+    assert produce["kv_connector"] == consume["kv_connector"] == "NixlConnector"
+    assert (produce["kv_role"], consume["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert "--afd-role" not in prefill["args"]
+    assert kv_config(container(docs, "StatefulSet", "afd-ffn")) is None
+    for c in (prefill, attention):
+        assert env_of(c)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {
+            "fieldRef": {"fieldPath": "status.podIP"}
+        }
+    assert find(docs, "Deployment", "afd-prefill")["spec"]["replicas"] == 2
+    router = container(docs, "Deployment", "afd-pd-router")
+    assert router["command"] == ["python", "-m", "vllm_ext.pd_router"]
+    args = router["args"]
+    for flag, service in (("--prefill", "afd-prefill"), ("--decode", "afd-attention")):
+        url = args[args.index(flag) + 1]
+        port = find(docs, "Service", service)["spec"]["ports"][0]["port"]
+        assert url == f"http://{service}:{port}", url
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "httpGet" not in router["livenessProbe"]  # /health is 503 while a side is down
 
 
 def test_tls_overlay_reads_cert_manager_secrets() -> None:

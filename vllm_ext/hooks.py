@@ -310,6 +310,7 @@ def _wrap_api_server(afd: AfdConfig) -> None:
         lambda check_health: health.wrap_check_health(check_health, monitor),
         lambda raise_if_error: health.wrap_raise_if_error(raise_if_error, monitor),
         health.wrap_streaming_error,
+        seams.engine_outputs_seen(monitor.failed_requests.seen),
     )
 
 

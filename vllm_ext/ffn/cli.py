@@ -34,7 +34,21 @@ def serve_ffn(args: argparse.Namespace) -> None:
     afd = from_vllm_config(vllm_config)
     if afd is None or afd.role is not Role.FFN:
         raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")
+    ignore_kv_transfer(vllm_config)
     sys.exit(run_worker(vllm_config, afd))
+
+
+def ignore_kv_transfer(vllm_config: Any) -> None:
+    """An FFN server holds no KV cache, so it takes no part in prefill/decode disaggregation:
+    a --kv-transfer-config (e.g. from a command line shared with the attention server) is
+    dropped with one line, and no KV connector is ever made here."""
+    if getattr(vllm_config, "kv_transfer_config", None) is None:
+        return
+    log.warning(
+        "afd ffn: --kv-transfer-config ignored: an FFN server holds no KV cache (give it to "
+        "the prefill servers and the attention server only)"
+    )
+    vllm_config.kv_transfer_config = None
 
 
 def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
