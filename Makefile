@@ -74,8 +74,9 @@ test-fast: $(STAMP)
 test-multihost: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PROGRESS) $(MULTIHOST_TESTS)
 
+# `make demo DEMO_DIR=DIR` keeps the model and the three servers' logs in DIR.
 demo: $(STAMP)
-	$(PY) -m vllm_ext.testing.demo
+	$(PY) -m vllm_ext.testing.demo $(if $(DEMO_DIR),--workdir $(DEMO_DIR))
 
 demo-sim: $(STAMP)
 	$(PY) scripts/demo.py

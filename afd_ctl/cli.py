@@ -20,7 +20,14 @@ from afd_ctl.channel import (
     tls_problem,
 )
 from afd_ctl.cli_scale import add_scale_parser, run_scale
-from afd_ctl.cli_text import RECENT_SHOWN, format_status, format_tap, format_workers, to_json
+from afd_ctl.cli_text import (
+    RECENT_SHOWN,
+    format_status,
+    format_tap,
+    format_workers,
+    health_of,
+    to_json,
+)
 from afd_ctl.cli_timing import out_path_problem, run_advise, run_trace
 from afd_ctl.config import DaemonConfig
 from afd_ctl.tls import TlsFileError
@@ -144,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     client_flags(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--require-serving",
+        action="store_true",
+        help="exit 3 unless the daemon's health is SERVING (a readiness probe over TLS)",
+    )
     workers = sub.add_parser(
         "workers",
         help="list registered workers",
@@ -274,6 +286,13 @@ def run_client_command(args: argparse.Namespace) -> int:
                 afd_pb2.GetStatusRequest(), timeout=args.timeout, metadata=metadata
             )
             print(to_json(status) if args.json else format_status(status))
+            if args.require_serving and health_of(status) != "SERVING":
+                print(
+                    f"afd-ctl status: health is {health_of(status)}, not SERVING "
+                    "(--require-serving)",
+                    file=sys.stderr,
+                )
+                return 3
         elif args.command == "workers":
             reply = stub.ListWorkers(
                 afd_pb2.ListWorkersRequest(role=ROLE_NAMES[args.role]),

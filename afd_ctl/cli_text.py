@@ -61,9 +61,13 @@ def to_json(message: Message, indent: int | None = 2) -> str:
     return json.dumps(data, indent=indent, sort_keys=True)
 
 
-def format_status(status: afd_pb2.Status) -> str:
+def health_of(status: afd_pb2.Status) -> str:
     # health_state is the enum; an older daemon only fills the word.
-    health = afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
+    return afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
+
+
+def format_status(status: afd_pb2.Status) -> str:
+    health = health_of(status)
     lines = [
         f"health      {health}",
         f"epoch       {status.epoch}   (incarnation {status.controller_incarnation})",

@@ -110,6 +110,16 @@ class ControllerClient:
         """Blocks until the job is stopped (stop payload or STOP event); False on timeout."""
         return self._view.wait_stopped(timeout_s)
 
+    def serving(self) -> bool:
+        """Registered, afd-ctl reachable and the expected set complete (a readiness check;
+        never blocks on the network)."""
+        return self._view.serving()
+
+    def incomplete_message(self, when: str) -> str:
+        """What keeps the set from being complete (or afd-ctl from answering), `when` said
+        in it: "the expected set (1 attention, 1 ffn) is incomplete <when>; ..."."""
+        return self._view.incomplete_message(when)
+
     @property
     def view(self) -> afd_pb2.View:
         return self._view.view()

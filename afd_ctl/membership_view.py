@@ -197,6 +197,18 @@ class MembershipView:
                 self.cond.wait(remaining)
             return self.stopped is not None
 
+    def serving(self) -> bool:
+        """Registered, afd-ctl reachable, not stopped, and the expected set complete: what a
+        worker's readiness needs from the control plane."""
+        with self.cond:
+            return (
+                self.fatal is None
+                and self.stopped is None
+                and self.unreachable is None
+                and self.current is not None
+                and self.current.complete
+            )
+
     def incomplete_message(self, when: str) -> str:
         if self.unreachable is not None:
             return f"{self.unreachable} ({when})"

@@ -9,6 +9,7 @@ staging is prepared, and the blob that the control plane hands to peers is encod
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,22 @@ NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
 )
 
 
+UCX_PORT_RANGE_ENV = "UCX_TCP_PORT_RANGE"
+_port_range_set: str | None = None  # what this module put into the environment
+
+
+def listen_on(port_range: str) -> str:
+    """Makes UCX, which reads its environment when NIXL creates an agent, listen in
+    `port_range` (TransportConfig.tcp_port_range), unless the operator set UCX_TCP_PORT_RANGE
+    themselves; returns the range UCX will use."""
+    global _port_range_set
+    current = os.environ.get(UCX_PORT_RANGE_ENV)
+    if current is not None and current != _port_range_set:
+        return current  # the operator's own UCX setting
+    os.environ[UCX_PORT_RANGE_ENV] = _port_range_set = port_range
+    return port_range
+
+
 def flag_layout(role: Role, layout: BufferLayout) -> FlagLayout:
     """The GPU hop's flag words of a worker: an attention worker holds them all (every
     cross-process access is the FFN side's, afd_data.gpu_protocol), an FFN worker none."""
@@ -61,6 +78,7 @@ class LocalAgent:
         self.flags = flag_layout(role, layout)
         self.base = self.mem.allocate(layout.total_bytes, extra_bytes=4 * self.flags.words)
         self._views: dict[tuple[int, int, int, str], Array] = {}
+        self.tcp_port_range = listen_on(config.tcp_port_range)
         self.nixl: Any = nixl_agent(
             name, nixl_agent_config(enable_prog_thread=config.progress_thread, backends=["UCX"])
         )

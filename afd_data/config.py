@@ -45,6 +45,15 @@ def canonical_dtype(name: object, *, allowed: tuple[str, ...] = tuple(DTYPE_SIZE
     return canonical
 
 
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """(LOW, HIGH) of "LOW-HIGH" with 1024 <= LOW <= HIGH <= 65535; None for anything else."""
+    low, sep, high = str(text).strip().partition("-")
+    if not sep or not low.isdigit() or not high.isdigit():
+        return None
+    lo, hi = int(low), int(high)
+    return (lo, hi) if 1024 <= lo <= hi <= 65535 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class TransportConfig:
     """Shape of the data plane plus its bounds. Shape fields must match on every peer."""
@@ -91,6 +100,14 @@ class TransportConfig:
     progress_thread: bool = False
     # Prepared transfer handles kept per peer (keyed by slot, offset and row count).
     handles_per_peer: int = 1024
+    # --- network surface -----------------------------------------------------------------
+    # TCP ports UCX listens on, "LOW-HIGH" (UCX_TCP_PORT_RANGE for this worker's NIXL agent;
+    # a firewall or NetworkPolicy admits exactly these between the attention and FFN hosts),
+    # or "0" for ports the kernel picks. Each worker takes a port per network interface (2 on
+    # a host with one interface besides loopback) from the range; UCX waits for a free one
+    # when the range is full, so size it for every worker on the host. UCX_TCP_PORT_RANGE, when
+    # set in the environment, wins.
+    tcp_port_range: str = "41000-41999"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -139,6 +156,11 @@ class TransportConfig:
                 raise AfdBadInput(
                     f"TransportConfig.{name} must be > 0, got {getattr(self, name)!r}"
                 )
+        if parse_port_range(self.tcp_port_range) is None and self.tcp_port_range != "0":
+            raise AfdBadInput(
+                "TransportConfig.tcp_port_range must be LOW-HIGH (1024 <= LOW <= HIGH <= "
+                f"65535) or 0, got {self.tcp_port_range!r}"
+            )
         for name in ("poll_spin_us", "poll_yield_us", "poll_sleep_us"):
             if getattr(self, name) < 0:
                 raise AfdBadInput(

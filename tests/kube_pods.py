@@ -6,7 +6,8 @@ own host (tests/netns.py) with the manifest's command, args, env and ports:
 - env `valueFrom`: `fieldRef` (metadata.name, metadata.namespace, status.podIP, a label, the
   StatefulSet's `apps.kubernetes.io/pod-index`) and `secretKeyRef` from the rendered Secrets;
 - volumes: a path under a volumeMount's mountPath, in args or env, is rewritten to a folder of
-  the test's (Secret volumes get their keys as files); /dev/shm stays the machine's;
+  the test's (Secret volumes get their keys as files); /dev/shm and /tmp stay the machine's
+  (the test's own files, the models included, live under /tmp);
 - the process environment is the test's own minus any AFD_*, VLLM_*, UCX_* setting (an image's
   environment carries none), plus the container's env; `vllm` and `afd-ctl` come from PATH;
 - probes: httpGet (200-399 within timeoutSeconds), grpc (grpc.health.v1 Check, plaintext,
@@ -40,6 +41,8 @@ from tests.procs import Proc
 ROOT = Path(__file__).resolve().parent.parent
 KUSTOMIZE_DIR = ROOT / "deploy" / "kubernetes"
 NAMESPACE = "default"
+# Mounts the pod's processes share with the machine instead of a folder of the test's.
+MACHINE_PATHS = ("/dev/shm", "/tmp")
 SCRUBBED_ENV = re.compile(r"^(AFD_|VLLM_|UCX_|OMP_|HF_HUB_)")
 
 
@@ -120,7 +123,7 @@ class Pod:
         mounts: dict[str, Path] = {}
         for mount in self.container.get("volumeMounts", []):
             path, volume = mount["mountPath"], volumes[mount["name"]]
-            if path == "/dev/shm":
+            if path in MACHINE_PATHS:
                 continue
             if mount["name"] in volume_dirs:
                 mounts[path] = volume_dirs[mount["name"]]

@@ -315,6 +315,73 @@ def test_status_lists_live_streams_and_how_far_behind_each_is(start_daemon, caps
         ffn.close()
 
 
+def test_status_require_serving_fails_until_the_set_is_complete(start_daemon, capsys):
+    """The tls overlay's readiness probe (`afd-ctl status --require-serving`, over mTLS where
+    the kubelet's grpc probe cannot go): exit 3 while the daemon is not SERVING, 0 once it is;
+    without the flag, status exits 0 whatever the health (issue 39, manifests)."""
+    from afd_ctl.client import ControllerClient
+    from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+
+    daemon = start_daemon()
+    assert cli(["status", "--controller", daemon.address]) == 0
+    assert cli(["status", "--controller", daemon.address, "--require-serving"]) == 3
+    assert "health is NOT_SERVING, not SERVING" in capsys.readouterr().err
+    workers = [
+        ControllerClient(daemon.address, WorkerSpec("a-0", ATTENTION)),
+        ControllerClient(daemon.address, WorkerSpec("f-0", FFN)),
+    ]
+    try:
+        for worker in workers:
+            worker.connect(10)
+        workers[0].wait_complete(10)
+        assert cli(["status", "--controller", daemon.address, "--require-serving"]) == 0
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+@pytest.mark.parametrize(
+    "address,said",
+    [
+        ("127.0.0.1:{port}", "nothing listens at 127.0.0.1:"),
+        ("nosuch.invalid:50051", "does not resolve"),
+    ],
+)
+def test_nothing_listening_or_no_such_host_is_said_within_seconds(address: str, said: str):
+    """Issue 38: connection refused on every try (or a name that does not resolve) is certain
+    within seconds, unlike a host that does not answer: the start-up query ends after
+    refused_timeout_s, not after connect_timeout_s (120 s by default)."""
+    from vllm_ext.control import ControlAccess, expected_counts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = address.format(port=s.getsockname()[1])  # nothing listens once closed
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=said) as caught:
+        expected_counts(ControlAccess(address, refused_timeout_s=2.0), timeout_s=60)
+    assert time.monotonic() - start < 10
+    assert "refused_timeout_s" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_worker_waiting_for_its_peers_says_how_long_in_one_phrase(start_daemon):
+    """Issue 38: the FFN server's wait line read "waiting 30 s so far ... incomplete after
+    0.1 s" (its poll bound); it now says the wait once (vllm_ext/ffn/server.py logs this)."""
+    from afd_ctl.client import ControllerClient
+    from afd_ctl.membership import FFN, WorkerSpec
+
+    daemon = start_daemon()
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
+    try:
+        ffn.connect(10)
+        message = ffn.incomplete_message("for 30 s so far")
+        assert message.startswith(
+            "the expected set (1 attention, 1 ffn) is incomplete for 30 s so far; "
+        ), message
+        assert "after" not in message
+    finally:
+        ffn.close()
+
+
 @pytest.mark.parametrize("where", ["missing-folder/trace.json", "."])
 def test_trace_to_an_unwritable_path_says_so_in_one_line_before_recording(
     tmp_path: Path, where: str

@@ -46,3 +46,22 @@ def test_health_says_a_failed_step_at_once_and_recovers_with_the_next_epoch(star
     finally:
         attn.close(0.5)
         ffn.close(0.5)
+
+
+def test_only_requests_failed_for_an_afd_step_get_the_afd_reply() -> None:
+    """The API process answers with AFD's 503 (and holds /health) only for requests the engine
+    failed for an AFD step; another error (a KV cache a prefill server could not hand over)
+    keeps vLLM's own reply."""
+    from vllm_ext.attention.health import AfdFailedRequests
+    from vllm_ext.attention.step_failures import AFD_STOP_REASON
+
+    failed = AfdFailedRequests()
+    failed.seen("cmpl-a-0", AFD_STOP_REASON)  # a completion's first prompt
+    failed.seen("chatcmpl-b", AFD_STOP_REASON)
+    failed.seen("cmpl-c-0", None)  # failed for another reason
+    assert failed.take("cmpl-a") and not failed.take("cmpl-a")
+    assert failed.take("chatcmpl-b")
+    assert not failed.take("cmpl-c")
+    for i in range(AfdFailedRequests.KEEP + 10):
+        failed.seen(f"cmpl-{i}-0", AFD_STOP_REASON)
+    assert not failed.take("cmpl-0") and failed.take(f"cmpl-{AfdFailedRequests.KEEP + 9}")

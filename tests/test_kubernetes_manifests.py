@@ -1,11 +1,14 @@
 """deploy/kubernetes without a cluster: every overlay renders with `kubectl kustomize`, passes
-`kubernetes-validate --strict` (offline schemas), and says what the deployment relies on.
-tests/test_multihost.py starts the rendered cpu-ci containers and runs their probes."""
+`kubernetes-validate --strict` (offline schemas), and says what the deployment relies on: its
+probes, its security contexts, resource requests, NetworkPolicies and metrics bindings, the
+api-key component, images that deploy/docker builds. tests/test_multihost.py starts the
+rendered cpu-ci containers and runs their probes."""
 
 from __future__ import annotations
 
 import base64
 import copy
+import json
 import shutil
 import subprocess
 import sys
@@ -21,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl (with kustomize v5) is not installed"
 )
 
-OVERLAYS = ["base", "overlays/m-n", "overlays/tls", "overlays/cpu-ci"]
+OVERLAYS = ["base", "overlays/m-n", "overlays/tls", "overlays/cpu-ci", "overlays/pd"]
 
 
 def validate(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -47,7 +50,9 @@ def test_overlay_renders_and_validates(overlay: str, tmp_path: Path) -> None:
     docs = render(overlay)
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
     for want in ["Deployment/afd-attention", "Deployment/afd-ctl", "Service/afd-attention",
-                 "Service/afd-ctl", "Service/afd-ffn", "StatefulSet/afd-ffn"]:  # fmt: skip
+                 "Service/afd-ctl", "Service/afd-ffn", "StatefulSet/afd-ffn",
+                 "NetworkPolicy/afd-ctl", "NetworkPolicy/afd-attention",
+                 "NetworkPolicy/afd-ffn"]:  # fmt: skip
         assert want in kinds, kinds
     out = validate(docs, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -105,6 +110,42 @@ def test_m_n_overlay_agrees_on_m_and_n() -> None:
     assert attention["resources"]["limits"]["nvidia.com/gpu"] == dp
 
 
+def test_pd_overlay_wires_prefill_router_and_the_afd_decode_side() -> None:
+    """overlays/pd: prefill servers as KV producers and the attention server as the KV
+    consumer on the same connector, the FFN server with no KV transfer config, each prefill
+    pod's NIXL side channel on its own address, and the router pointing at both Services."""
+    docs = render("overlays/pd")
+
+    def kv_config(c: dict[str, Any]) -> dict[str, Any] | None:
+        args = c["args"]
+        if "--kv-transfer-config" not in args:
+            return None
+        return dict(json.loads(args[args.index("--kv-transfer-config") + 1]))
+
+    prefill = container(docs, "Deployment", "afd-prefill")
+    attention = container(docs, "Deployment", "afd-attention")
+    produce, consume = kv_config(prefill), kv_config(attention)
+    assert produce is not None and consume is not None
+    assert produce["kv_connector"] == consume["kv_connector"] == "NixlConnector"
+    assert (produce["kv_role"], consume["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert "--afd-role" not in prefill["args"]
+    assert kv_config(container(docs, "StatefulSet", "afd-ffn")) is None
+    for c in (prefill, attention):
+        assert env_of(c)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {
+            "fieldRef": {"fieldPath": "status.podIP"}
+        }
+    assert find(docs, "Deployment", "afd-prefill")["spec"]["replicas"] == 2
+    router = container(docs, "Deployment", "afd-pd-router")
+    assert router["command"] == ["python", "-m", "vllm_ext.pd_router"]
+    args = router["args"]
+    for flag, service in (("--prefill", "afd-prefill"), ("--decode", "afd-attention")):
+        url = args[args.index(flag) + 1]
+        port = find(docs, "Service", service)["spec"]["ports"][0]["port"]
+        assert url == f"http://{service}:{port}", url
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "httpGet" not in router["livenessProbe"]  # /health is 503 while a side is down
+
+
 def test_tls_overlay_reads_cert_manager_secrets() -> None:
     docs = render("overlays/tls")
     ctl = container(docs, "Deployment", "afd-ctl")
@@ -127,8 +168,9 @@ def test_tls_overlay_reads_cert_manager_secrets() -> None:
 def test_tls_overlay_daemon_probes_pass_in_a_namespace(tmp_path: Path) -> None:
     """The tls overlay's afd-ctl container on a network-namespace host, with Secrets in
     cert-manager's layout: its exec readiness probe (afd-ctl status over mTLS, with the
-    token, to the Service name) and its TCP liveness probe pass; the kubelet's plaintext grpc
-    probe, which the overlay had to drop, fails against it."""
+    token, to the Service name) fails while the daemon is not SERVING and passes once a pair of
+    workers has registered over mTLS; its TCP liveness probe passes; the kubelet's plaintext
+    grpc probe, which the overlay had to drop, fails against it."""
     from tests.kube_pods import Pod, grpc_probe
     from tests.netns import Hosts, unavailable
 
@@ -164,13 +206,160 @@ def test_tls_overlay_daemon_probes_pass_in_a_namespace(tmp_path: Path) -> None:
         workload = find(docs, "Deployment", "afd-ctl")
         pod = Pod(workload, hosts, "ctl", docs, tmp_path, {}).start()
         pod.verdict("liveness", True, timeout_s=30)
-        pod.verdict("readiness", True, timeout_s=30)
-        ready = pod.probe("readiness")
-        # It answered over mTLS with the token: no worker yet, so NOT_SERVING.
-        assert ready.ok and "NOT_SERVING" in ready.detail, ready
+        # It answers over mTLS with the token, but no worker has registered: NOT_SERVING,
+        # so not ready (the plaintext grpc probe's verdict too).
+        pod.verdict("readiness", False, timeout_s=30)
+        not_ready = pod.probe("readiness")
+        assert "health is NOT_SERVING, not SERVING" in not_ready.detail, not_ready
+        # Workers register over mTLS: SERVING, ready.
+        workers = register_pair(f"{pod.ip}:50051", pki, "tls-test-token")
+        try:
+            pod.verdict("readiness", True, timeout_s=30)
+        finally:
+            for worker in workers:
+                worker.close()
         plaintext = grpc_probe(f"{pod.ip}:50051", "liveness", timeout_s=2)
         assert not plaintext.ok, plaintext
     finally:
         if pod is not None:
             pod.stop()
         hosts.close()
+
+
+def register_pair(address: str, pki: Path, token: str) -> list[Any]:
+    """An attention and an FFN worker registered over mTLS (the daemon's own pair as client
+    certificate, as the overlay's exec probe uses it)."""
+    from afd_ctl.channel import ClientTls
+    from afd_ctl.client import ControllerClient
+    from afd_ctl.membership import ATTENTION, FFN, WorkerSpec
+
+    tls = ClientTls(
+        str(pki / "ca.crt"), str(pki / "tls.crt"), str(pki / "tls.key"), server_name="afd-ctl"
+    )
+    workers = [
+        ControllerClient(address, WorkerSpec(worker_id, role), token=token, tls=tls)
+        for worker_id, role in (("attention-0", ATTENTION), ("ffn-0", FFN))
+    ]
+    for worker in workers:
+        worker.connect(20)
+    workers[0].wait_complete(20)
+    return workers
+
+
+WORKLOADS = [("Deployment", "afd-ctl"), ("StatefulSet", "afd-ffn"), ("Deployment", "afd-attention")]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_run_unprivileged_with_requests(overlay: str) -> None:
+    """Non-root, no privilege escalation, no capabilities, a read-only root filesystem (vLLM
+    writes to emptyDirs at $HOME and /tmp), no service-account token, and cpu and memory
+    requests (not BestEffort)."""
+    docs = render(overlay)
+    for kind, name in WORKLOADS:
+        spec = find(docs, kind, name)["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False, name
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        c = spec["containers"][0]
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, name
+        assert sc["readOnlyRootFilesystem"] is True, name
+        assert sc["capabilities"] == {"drop": ["ALL"]}, name
+        requests = c["resources"]["requests"]
+        assert "cpu" in requests and "memory" in requests, (name, requests)
+        if name != "afd-ctl":
+            mounts = {m["mountPath"] for m in c["volumeMounts"]}
+            assert {"/tmp", "/home/afd", "/dev/shm"} <= mounts, (name, mounts)
+
+
+def _policy(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return find(docs, "NetworkPolicy", name)["spec"]
+
+
+def _sources(rule: dict[str, Any]) -> list[dict[str, Any]]:
+    return [peer.get("podSelector", {}).get("matchLabels", {}) for peer in rule["from"]]
+
+
+def test_network_policies_admit_each_port_only_from_where_it_is_needed() -> None:
+    docs = render("base")
+    for name in ("afd-ctl", "afd-attention", "afd-ffn"):
+        policy = _policy(docs, name)
+        assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+        assert policy["policyTypes"] == ["Ingress"]
+        for rule in policy["ingress"]:
+            assert rule.get("from") and rule.get("ports"), (name, rule)  # never "anyone"
+    workers = [{"app.kubernetes.io/name": "afd-attention"}, {"app.kubernetes.io/name": "afd-ffn"}]
+    prometheus = [{"app.kubernetes.io/name": "prometheus"}]
+    ports = {  # (policy, port) -> who may connect
+        (name, port["port"]): _sources(rule)
+        for name in ("afd-ctl", "afd-attention", "afd-ffn")
+        for rule in _policy(docs, name)["ingress"]
+        for port in rule["ports"]
+    }
+    assert ports[("afd-ctl", 50051)] == workers
+    assert ports[("afd-ctl", 9100)] == prometheus
+    assert ports[("afd-ffn", 9400)] == prometheus
+    assert ports[("afd-attention", 8000)] == [{"afd.io/api-client": "true"}, *prometheus]
+    # The data plane: each role's listeners from the other role only, on the range the
+    # containers give their data plane.
+    assert ports[("afd-attention", 41000)] == [workers[1]]
+    assert ports[("afd-ffn", 41000)] == [workers[0]]
+    for kind, name in WORKLOADS[1:]:
+        env = env_of(container(docs, kind, name))
+        assert env["AFD_DATA_TCP_PORT_RANGE"] == "41000-41999", name
+    for name in ("afd-attention", "afd-ffn"):
+        data = [p for r in _policy(docs, name)["ingress"] for p in r["ports"] if p["port"] == 41000]
+        assert data == [{"port": 41000, "endPort": 41999, "protocol": "TCP"}]
+
+
+def test_metrics_listen_on_the_pod_network_only() -> None:
+    docs = render("base")
+    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env_of(container(docs, "Deployment", "afd-ctl"))["AFD_CTL_METRICS_HOST"] == pod_ip
+    assert env_of(container(docs, "StatefulSet", "afd-ffn"))["AFD_METRICS_HOST"] == pod_ip
+
+
+def test_the_api_key_component_adds_a_key_from_a_secret(tmp_path: Path) -> None:
+    """components/api-key on top of the base: VLLM_API_KEY (what --api-key reads) from the
+    Secret afd-api-key, never on the command line; the result validates."""
+    import os
+
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    rel = os.path.relpath(KUSTOMIZE_DIR, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{rel}/base]\ncomponents: [{rel}/components/api-key]\n"
+    )
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    attention = container(docs, "Deployment", "afd-attention")
+    assert env_of(attention)["VLLM_API_KEY"] == {
+        "secretKeyRef": {"name": "afd-api-key", "key": "api-key"}
+    }
+    assert not any("api-key" in a for a in attention["args"])
+    assert "VLLM_API_KEY" not in env_of(container(docs, "StatefulSet", "afd-ffn"))
+    checked = validate(docs, tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_every_image_the_manifests_name_has_a_dockerfile() -> None:
+    """deploy/docker/<image>.Dockerfile builds each image (tests/test_install_script.py runs
+    the install they run)."""
+    images = {
+        c["image"].split(":")[0]
+        for overlay in OVERLAYS
+        for doc in render(overlay)
+        if doc["kind"] in ("Deployment", "StatefulSet")
+        for c in doc["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {"afd-ctl", "afd-vllm"}, images
+    docker = KUSTOMIZE_DIR.parent / "docker"
+    for image in images:
+        dockerfile = (docker / f"{image}.Dockerfile").read_text()
+        assert f"-t {image}:latest" in dockerfile  # says how to build it
+        assert "scripts/install_afd.sh" in dockerfile

@@ -110,3 +110,16 @@ def test_one_rank_micro_batch_decision_follows_vllms_thresholds() -> None:
     assert not ubatched(8, 8, num_reqs=1)  # one prefill of 8: below the prefill threshold
     assert ubatched(16, 16, num_reqs=1)
     assert not ubatched(3, 8, num_reqs=3, force_uniform_decode=True)  # second half all padding
+
+
+def test_a_failed_start_is_logged_with_its_exception() -> None:
+    """vllm_ext.startup_errors reads a worker's or engine core's start-up failure from the
+    record vLLM logs for it (compat.engine_core: STARTUP_FAILURE_LOGGER, ..._PHRASE)."""
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    seams = compat.seams()
+    for function in (WorkerProc.worker_main, EngineCoreProc.run_engine_core):
+        source = inspect.getsource(function)
+        assert f"{seams.STARTUP_FAILURE_PHRASE}." in source, function.__qualname__
+        assert "logger.exception(" in source, function.__qualname__

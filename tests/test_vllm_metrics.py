@@ -1,8 +1,10 @@
 """Prometheus series of a real run: the attention server's /metrics (vLLM's own, written by its
-worker process) and the FFN server's /metrics (its `metrics_port`), scraped while serving and
-after an afd-ctl restart, with real values; and, on the same pair, what afd-ctl makes of the
-workers' step timings: `advise` answers under steady traffic, `status` is current within a
-second of the last step, warm-up counted apart (issue 38)."""
+worker process), the FFN server's /metrics (its `metrics_port`) and afd-ctl's, scraped while
+serving and after an afd-ctl restart, with real values; every series the Grafana dashboard
+(deploy/grafana/afd.json) queries is on one of those pages; the FFN server's /health is 503
+while afd-ctl is down (issue 39, item 5) and 200 again once it is back. And, on the same pair,
+what afd-ctl makes of the workers' step timings: `advise` answers under steady traffic, `status`
+is current within a second of the last step, warm-up counted apart (issue 38)."""
 
 from __future__ import annotations
 
@@ -25,12 +27,21 @@ import grpc  # noqa: E402
 from afd_ctl.cli_text import to_json  # noqa: E402
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc  # noqa: E402
 from tests.procs import Proc, child_env  # noqa: E402
+from tests.test_grafana_dashboard import dashboard_series  # noqa: E402
 from tests.test_vllm_daemon_restart import (  # noqa: E402
     kill_daemon_mid_stream,
     serving_again,
 )
-from tests.test_vllm_failures import start_afd_servers, tiny_model  # noqa: E402,F401
+from tests.test_vllm_failures import (  # noqa: E402
+    start_afd_servers,
+    tiny_model,  # noqa: F401 (fixture)
+    wait_status,
+)
 from vllm_ext.testing.procs import free_port, post_json  # noqa: E402
+
+
+def sample_names(samples: dict[str, float]) -> set[str]:
+    return {key.split("{", 1)[0] for key in samples}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -117,13 +128,21 @@ def test_attention_and_ffn_metrics(
     procs: list[Proc],
     tmp_path: Path,
 ) -> None:
-    ffn_port = free_port()
+    ffn_port, daemon_port = free_port(), free_port()
+    daemon_metrics = ["--metrics-port", str(daemon_port)]
     servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path, ffn_env={"AFD_METRICS_PORT": str(ffn_port)}
+        tiny_model,
+        lambda *args, **kwargs: start_daemon(*args, *daemon_metrics, **kwargs),
+        procs,
+        tmp_path,
+        ffn_env={"AFD_METRICS_PORT": str(ffn_port)},
     )
     post_json(servers.url, servers.body)
     attention_url = servers.url.replace("/v1/completions", "/metrics")
     ffn_url = f"http://127.0.0.1:{ffn_port}/metrics"
+    ffn_health = f"http://127.0.0.1:{ffn_port}/health"
+    daemon_url = f"http://127.0.0.1:{daemon_port}/metrics"
+    assert wait_status(ffn_health, 200, 10) >= 0
 
     a = scrape(attention_url)
     assert any(k.startswith("vllm:num_requests_running") for k in a)  # vLLM's own series
@@ -160,12 +179,29 @@ def test_attention_and_ffn_metrics(
         assert int(load["reports_dropped"]) == 0, load
         assert 0 < load["utilisation"] <= 1, load
 
-    # afd-ctl restarts: a failed step with its reason, a reconnect, a new epoch on both.
+    # The dashboard's every query reads series these three pages have. The daemon's step
+    # histograms fill from the workers' timing reports, which trail the steps by up to a second.
+    deadline = time.monotonic() + 30
+    while True:
+        d = scrape(daemon_url)
+        if "afd_ctl_step_compute_seconds_bucket" in sample_names(d):
+            break
+        assert time.monotonic() < deadline, sorted(sample_names(d))
+        post_json(servers.url, servers.body)
+    missing = dashboard_series() - sample_names(a) - sample_names(f) - sample_names(d)
+    assert not missing, f"the dashboard queries series no /metrics page has: {sorted(missing)}"
+
+    # afd-ctl restarts: a failed step with its reason, a reconnect, a new epoch on both; the
+    # FFN server's /health is 503 during the outage, whichever it saw first (afd-ctl gone or
+    # its peer's step failing), and 200 again once afd-ctl has the set again.
     kill_daemon_mid_stream(servers)
+    wait_status(ffn_health, 503, 5)
     servers.daemon = start_daemon(
-        "--expect-attention", "1", "--expect-ffn", "1", listen=servers.daemon.address
-    )
+        "--expect-attention", "1", "--expect-ffn", "1", *daemon_metrics,
+        listen=servers.daemon.address,
+    )  # fmt: skip
     serving_again(servers, timeout_s=60)
+    wait_status(ffn_health, 200, 10)
     a2, f2 = scrape(attention_url), scrape(ffn_url)
     # The step running at the kill failed; which side noticed first (afd-ctl's session or the
     # data plane interrupted by it) decides the reason, and that is a race.

@@ -30,6 +30,10 @@ class AfdConfig:
     # Bound on registering and (attention role) on waiting for the expected set at start-up;
     # an FFN server waits for its attention peers as long as it runs.
     connect_timeout_s: float = 120.0
+    # Within that bound, connection refused on every try this long (nothing listens at the
+    # address) or a host name that does not resolve ends the start-up sooner, saying so.
+    # Raise it to connect_timeout_s where workers may start before afd-ctl listens.
+    refused_timeout_s: float = 5.0
     # Bound on one layer's round trip (attention) and on one payload or hidden-state wait (FFN).
     step_timeout_s: float = 10.0
     # The same bound for warm-up, profile and CUDA-graph capture steps (the payload's flags):
@@ -72,19 +76,24 @@ class AfdConfig:
     # attention role's series are on the API server's own /metrics.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # What the model fingerprint's weights digest reads (vllm_ext.weights_digest): "content"
+    # (tensor names, shapes and every byte of the shards; cached per file) or "headers" (names
+    # and shapes only: cheap, blind to values). Both roles must say the same.
+    weights_digest: str = "content"
+    # Where shard digests are cached by file identity; empty: ~/.cache/afd-ctl/weights-digest.
+    weights_digest_cache: str = ""
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "role", Role.parse(self.role))
         except ValueError:
             raise ValueError(f"afd role must be one of {ROLES}, got {self.role!r}") from None
-        if not self.controller or ":" not in self.controller:
+        _check_controller(self.controller)
+        bounds = (self.connect_timeout_s, self.step_timeout_s, self.warmup_timeout_s)
+        if min(*bounds, self.refused_timeout_s) <= 0:
             raise ValueError(
-                f"afd controller must be HOST:PORT of `afd-ctl serve`, got {self.controller!r}"
-            )
-        if min(self.connect_timeout_s, self.step_timeout_s, self.warmup_timeout_s) <= 0:
-            raise ValueError(
-                "afd connect_timeout_s, step_timeout_s and warmup_timeout_s must be > 0"
+                "afd connect_timeout_s, refused_timeout_s, step_timeout_s and warmup_timeout_s "
+                "must be > 0"
             )
         if self.max_tokens < 0:
             raise ValueError(f"afd max_tokens must be >= 0, got {self.max_tokens}")
@@ -102,6 +111,10 @@ class AfdConfig:
             raise ValueError("afd tls_client_cert and tls_client_key go together (mTLS)")
         if self.tls_client_cert and not self.tls_ca:
             raise ValueError("afd tls_client_cert needs tls_ca (the CA of afd-ctl's certificate)")
+        if self.weights_digest not in ("content", "headers"):
+            raise ValueError(
+                f"afd weights_digest must be content or headers, got {self.weights_digest!r}"
+            )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"afd metrics_port must be in 0..65535, got {self.metrics_port}")
 
@@ -139,6 +152,19 @@ class AfdConfig:
         if "controller" not in values:
             raise ValueError("afd role is set but the controller is not: add --afd-controller")
         return cls(**values)
+
+
+def _check_controller(controller: str) -> None:
+    """HOST:PORT (a port in 1..65535) or unix:PATH, as `afd-ctl serve --listen` takes it."""
+    if controller.startswith("unix:") and len(controller) > len("unix:"):
+        return
+    host, _, port = controller.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        example = f"{controller or 'localhost'}:50051" if not host else f"{host}:50051"
+        raise ValueError(
+            f"--afd-controller (afd controller) must be HOST:PORT or unix:PATH of `afd-ctl "
+            f"serve`, got {controller!r}; e.g. {example}"
+        )
 
 
 def afd_section(additional_config: Any) -> dict[str, Any] | None:

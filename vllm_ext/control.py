@@ -64,6 +64,9 @@ class ControlAccess:
     controller: str
     tls: ClientTls | None = None
     token: str = field(default="", repr=False)  # never in a repr, so never in a log line
+    # At start-up: connection refused (or a name that does not resolve) on every try this
+    # long ends the wait for afd-ctl before connect_timeout_s (`expected_counts`).
+    refused_timeout_s: float = 5.0
 
     @classmethod
     def of(cls, afd: AfdConfig) -> ControlAccess:
@@ -80,7 +83,7 @@ class ControlAccess:
             )
         else:
             tls = ClientTls.from_env()
-        return cls(afd.controller, tls, _token(afd.auth_token_file))
+        return cls(afd.controller, tls, _token(afd.auth_token_file), afd.refused_timeout_s)
 
     def describe(self) -> str:
         """For a log line: how afd-ctl is reached, without the token."""
@@ -169,6 +172,7 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> ExpectedCounts:
     query = StatusQuery(access)
     controller = access.describe()
     strikes = 0  # handshakes in a row the daemon closed
+    nobody = NobodyThere(access)
     try:
         while True:
             try:
@@ -179,6 +183,7 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> ExpectedCounts:
                 refused = access.tls_refused(exc, strikes)
                 if refused is not None:
                     raise refused from None
+                nobody.check(exc)
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(
@@ -212,6 +217,52 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> ExpectedCounts:
     m, n = counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
     # 0: a daemon older than the field, which routes with min(M, N) groups.
     return ExpectedCounts(m, n, status.ffn_groups or min(m, n))
+
+
+class NobodyThere:
+    """Tells "nothing listens at ADDR" (connection refused on every try) and "ADDR does not
+    resolve" from a host that does not answer: the first two are certain within seconds
+    (access.refused_timeout_s), the last only after connect_timeout_s."""
+
+    # What grpc's message says -> what it means (grpc's resolvers word DNS failures apart).
+    REFUSED = (
+        "nothing listens at {addr}: connection refused on every try for {s:.0f} s; is "
+        "`afd-ctl serve` running there, listening on that port (its --listen)?"
+    )
+    NO_NAME = (
+        "{host} does not resolve (DNS) on every try for {s:.0f} s; check the host in "
+        "--afd-controller {addr}"
+    )
+    SIGNS = {
+        "Connection refused": REFUSED,
+        "DNS resolution failed": NO_NAME,
+        "errors resolving": NO_NAME,
+    }
+
+    def __init__(self, access: ControlAccess) -> None:
+        self.access = access
+        self.since: float | None = None
+        self.sign = ""
+
+    def check(self, exc: grpc.RpcError) -> None:
+        """Raises TimeoutError once the same sign has held for refused_timeout_s."""
+        details = exc.details() or ""
+        sign = next((self.SIGNS[s] for s in self.SIGNS if s in details), "")
+        now = time.monotonic()
+        if not sign or sign != self.sign:
+            self.since, self.sign = (now if sign else None), sign
+            return
+        assert self.since is not None
+        if now - self.since < self.access.refused_timeout_s:
+            return
+        addr = self.access.controller
+        host = addr.rpartition(":")[0] or addr
+        raise TimeoutError(
+            "afd-ctl: "
+            + sign.format(addr=addr, host=host, s=now - self.since)
+            + " (afd refused_timeout_s; a host that does not answer is waited for up to "
+            "connect_timeout_s)"
+        )
 
 
 def _token(path: str) -> str:

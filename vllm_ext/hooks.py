@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from afd_ctl.routing import Role
-from vllm_ext import compat, families
+from vllm_ext import compat, families, startup_errors
 from vllm_ext.attention import step_failures
 from vllm_ext.config import ROLES, AfdConfig, afd_section
 
@@ -38,6 +38,7 @@ def install() -> None:
     """Idempotent, and called again each time vLLM loads plugins: a module first imported
     after an earlier call (the engine core of an in-process LLM) is wrapped then."""
     seams = compat.seams()
+    startup_errors.watch_this_process()  # a `vllm serve` that started this process reads it
     families.register_attention_models()
     seams.patch_engine_args(add_afd_arguments, _fold_afd_flags, create_engine_config)
     seams.patch_serve_cmd(serve_cmd)  # only where the `vllm` CLI imported its serve module
@@ -270,21 +271,28 @@ def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
 
 def serve_cmd(args: argparse.Namespace, vllm_cmd: Any) -> None:
     """`vllm serve`: the FFN role runs vllm_ext.ffn.server; anything else is vLLM's own
-    (`vllm_cmd`)."""
-    merged = merge_afd_flags(getattr(args, "additional_config", None), args)
-    afd = AfdConfig.resolve(afd_section(merged))
-    if afd is None or afd.role is not Role.FFN:
+    (`vllm_cmd`). With AFD settings, a bad flag is one argparse-style line, and a start-up
+    failure of ours ends with its one-line reason last (vllm_ext.startup_errors)."""
+    try:
+        merged = merge_afd_flags(getattr(args, "additional_config", None), args)
+        afd = AfdConfig.resolve(afd_section(merged))
+    except ValueError as exc:
+        startup_errors.flag_error(exc)
+    if afd is None:
+        return vllm_cmd(args)
+    with startup_errors.said_last():
+        if afd.role is Role.FFN:
+            from vllm_ext.ffn.cli import serve_ffn
+
+            if getattr(args, "model_tag", None) is not None:
+                args.model = args.model_tag
+            return serve_ffn(args)
         # Folded into args here too: `vllm serve` hands these args to its API server processes
         # (one per DP rank by default), which load the plugin only inside from_cli_args, too
         # late for its wrapper, and must still see the afd section (/health, error replies).
-        if merged is not None:
-            args.additional_config = merged
+        args.additional_config = merged
+        startup_errors.check_controller(afd)  # before any engine starts
         return vllm_cmd(args)
-    from vllm_ext.ffn.cli import serve_ffn
-
-    if getattr(args, "model_tag", None) is not None:
-        args.model = args.model_tag
-    serve_ffn(args)
 
 
 def _wrap_api_server(afd: AfdConfig) -> None:
@@ -302,6 +310,7 @@ def _wrap_api_server(afd: AfdConfig) -> None:
         lambda check_health: health.wrap_check_health(check_health, monitor),
         lambda raise_if_error: health.wrap_raise_if_error(raise_if_error, monitor),
         health.wrap_streaming_error,
+        seams.engine_outputs_seen(monitor.failed_requests.seen),
     )
 
 

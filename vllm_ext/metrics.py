@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,15 +236,33 @@ class AttentionMetrics:
 
 class FfnMetrics:
     """The FFN server's series, on its own /metrics (`serve_ffn_metrics`), and its readiness
-    on /health beside them: 200 once registered and connected to its attention peers, 503
-    from a loss until it is connected again (a Kubernetes readiness probe)."""
+    on /health beside them: 200 while it can serve, that is once registered and connected to
+    its attention peers (503 from a loss until connected again) and while its control plane
+    says so (`link_ok`: afd-ctl reachable and the expected set complete), so that every path
+    to "cannot serve" turns it 503, an afd-ctl outage included (a Kubernetes readiness probe)."""
 
     def __init__(self, files: SeriesFiles | None) -> None:
         self.files = files
-        self.ready = False
+        self.connected_now = False
+        self.link_ok: Callable[[], bool] = lambda: True
+
+    @property
+    def ready(self) -> bool:
+        return self.not_ready_because() is None
+
+    def not_ready_because(self) -> str | None:
+        if not self.connected_now:
+            return "not connected to its attention peers"
+        if not self.link_ok():
+            return "afd-ctl is unreachable or its expected set is incomplete"
+        return None
+
+    def follow(self, link_ok: Callable[[], bool]) -> None:
+        """Readiness also asks `link_ok` (the FFN server passes its afd-ctl client's)."""
+        self.link_ok = link_ok
 
     def disconnected(self) -> None:
-        self.ready = False
+        self.connected_now = False
 
     def step(self, compute_s: float, wait_s: float, graph_mode: str) -> None:
         files = self.files
@@ -256,7 +275,7 @@ class FfnMetrics:
         files.inc(series)
 
     def connected(self, epoch: int, *, reconnect: bool, gpu_driven: bool = False) -> None:
-        self.ready = True
+        self.connected_now = True
         if self.files is not None:
             self.files.set(EPOCH, epoch)
             self.files.set(GPU_DRIVEN, 1 if gpu_driven else 0)
@@ -264,12 +283,12 @@ class FfnMetrics:
 
 
 def serve_ffn_metrics(host: str, port: int) -> FfnMetrics:
-    """Starts /metrics and /health on host:port (a daemon thread) and returns what feeds
-    them."""
-    from http.server import ThreadingHTTPServer
-
-    from prometheus_client import CollectorRegistry, MetricsHandler
+    """Starts /metrics and /health on host:port (one daemon thread: vllm_ext.ffn.probe_server)
+    and returns what feeds them."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
+
+    from vllm_ext.ffn.probe_server import Answer, ProbeServer
 
     directory = tempfile.mkdtemp(prefix="afd-ffn-prometheus-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -277,26 +296,23 @@ def serve_ffn_metrics(host: str, port: int) -> FfnMetrics:
     MultiProcessCollector(registry, path=directory)
     metrics = FfnMetrics(SeriesFiles(directory))
 
-    class Handler(MetricsHandler.factory(registry)):  # type: ignore[misc]
-        def do_GET(self) -> None:
-            if self.path.split("?")[0] != "/health":
-                return super().do_GET()
-            body = b"connected\n" if metrics.ready else b"not connected to its peers\n"
-            self.send_response(200 if metrics.ready else 503)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def health() -> Answer:
+        why = metrics.not_ready_because()
+        return (
+            (503, "text/plain", f"{why}\n".encode()) if why else (200, "text/plain", b"connected\n")
+        )
+
+    def prometheus() -> Answer:
+        return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
 
     try:
-        server = ThreadingHTTPServer((host, port), Handler)
+        server = ProbeServer(host, port, {"/health": health, "/metrics": prometheus})
     except OSError as exc:
         raise ValueError(
             f"afd metrics_port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); "
             "choose a free port, or 0 to turn the FFN server's /metrics off"
         ) from None
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="afd-ffn-metrics", daemon=True).start()
+    server.start()
     log.info(
         "afd ffn: Prometheus metrics on http://%s:%d/metrics, readiness on /health", host, port
     )

@@ -10,14 +10,13 @@ when a payload or a loss says so); this module is the *how* that both share.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from afd_ctl.fingerprint import ModelFingerprint
 from vllm_ext.control import ExpectedCounts, expected_counts
 from vllm_ext.exchange.base import AttentionExchange, FfnExchange
 from vllm_ext.exchange.timing import ExchangeTimings
+from vllm_ext.weights_digest import model_weights_digest
 
 if TYPE_CHECKING:
     from afd_ctl.client import ControllerClient, WorkerSpec
@@ -28,8 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ExpectedCounts", "PeerLink", "expected_counts", "model_fingerprint"]
 E = TypeVar("E", AttentionExchange, FfnExchange)
-# Files of a local checkpoint whose bytes make its digest (small; the weights are not read).
-DIGEST_FILES = ("config.json", "model.safetensors.index.json")
 
 
 def model_fingerprint(vllm_config: Any) -> ModelFingerprint:
@@ -46,23 +43,8 @@ def model_fingerprint(vllm_config: Any) -> ModelFingerprint:
         num_routed_experts=int(routed),
         num_shared_experts=int(getattr(hf, "n_shared_experts", None) or 0),
         dtype=str(model_config.dtype).removeprefix("torch."),
-        weights_digest=_checkpoint_digest(str(model_config.model)),
+        weights_digest=model_weights_digest(vllm_config),
     )
-
-
-def _checkpoint_digest(model: str) -> str:
-    """sha256 (16 hex digits) of a local checkpoint's config and index files; "" for a hub
-    name or a folder without them."""
-    folder = Path(model)
-    digest = hashlib.sha256()
-    found = False
-    for name in DIGEST_FILES:
-        try:
-            digest.update((folder / name).read_bytes())
-            found = True
-        except OSError:
-            continue
-    return digest.hexdigest()[:16] if found else ""
 
 
 class PeerLink(Generic[E]):

@@ -4,7 +4,9 @@
   is down, the daemon is draining or unreachable), and 200 again once it does. vLLM's route
   answers 503 only for EngineDeadError, so the AFD condition is raised as a subclass of it.
 - A request that the engine finished with an error (vllm_ext.attention.step_failures) gets a 503 with
-  what afd-ctl last said, instead of vLLM's bare "Internal server error".
+  what afd-ctl last said, instead of vLLM's bare "Internal server error". Only a request failed
+  for an AFD step (its stop_reason says so): any other error (a KV cache a prefill server could
+  not hand over, under prefill/decode disaggregation) stays vLLM's own and leaves /health be.
 Each transition is logged once.
 """
 
@@ -14,10 +16,12 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from afd_ctl.logs import RateLimitedLog
+from vllm_ext.attention.step_failures import AFD_STOP_REASON
 
 if TYPE_CHECKING:
     from vllm_ext.config import AfdConfig
@@ -33,6 +37,32 @@ ASK_TIMEOUT_S = 0.5
 # epoch (the set changed since: the FFN side is back), or at most this long (a loss only the
 # data plane saw heals by a rejoin, which is a new epoch too).
 FAILURE_HOLD_S = 10.0
+
+
+class AfdFailedRequests:
+    """The requests the engine failed for an AFD step, by the id the API server knows them by
+    (vLLM's output processor sees them finish before the server builds the error reply)."""
+
+    KEEP = 4096  # a reply not built (a client gone) must not grow this forever
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def seen(self, request_id: str, stop_reason: Any) -> None:
+        if stop_reason != AFD_STOP_REASON:
+            return
+        self._ids[request_id] = None
+        while len(self._ids) > self.KEEP:
+            self._ids.popitem(last=False)
+
+    def take(self, request_id: str) -> bool:
+        """Whether `request_id` (a completion's id covers its prompts, `ID-0`, `ID-1`...)
+        failed for an AFD step; forgets it."""
+        for known in self._ids:
+            if known == request_id or known.startswith(request_id + "-"):
+                del self._ids[known]
+                return True
+        return False
 
 
 class AfdSideMonitor:
@@ -53,6 +83,7 @@ class AfdSideMonitor:
         # A request failed in the engine: when, and at which epoch (see FAILURE_HOLD_S).
         self._failed_at = float("-inf")
         self._failed_epoch = 0
+        self.failed_requests = AfdFailedRequests()
 
     def note_failure(self) -> None:
         """A request failed in the engine: /health says so at once (not after the cached
@@ -150,7 +181,7 @@ def wrap_raise_if_error(raise_if_error: Any, monitor: AfdSideMonitor) -> Any:
     """GenerateBaseServing._raise_if_error: an errored request says what AFD knows."""
 
     def wrapped(self: Any, finish_reason: str | None, request_id: str) -> None:
-        if finish_reason != "error":
+        if finish_reason != "error" or not monitor.failed_requests.take(request_id):
             return raise_if_error(self, finish_reason, request_id)
         from vllm_ext import compat
 

@@ -28,6 +28,10 @@ from afd_data.errors import AfdBadInput, AfdDataError
 log = logging.getLogger(__name__)
 
 MARK = "AFD step failed"
+# The stop_reason of a request this module failed: the API process tells an AFD failure (a 503
+# that names the FFN side, /health held at 503) from any other error of a request (a KV cache
+# that could not be read from a prefill server is vLLM's own error and leaves /health alone).
+AFD_STOP_REASON = "afd_step_failed"
 
 
 class AfdStepFailed(RuntimeError):
@@ -74,6 +78,7 @@ def fail_running_requests(engine_core: Any, exc: BaseException) -> dict[int, Any
                 request_id=request.request_id,
                 new_token_ids=[],
                 finish_reason=request.get_finished_reason(),
+                stop_reason=AFD_STOP_REASON,
                 events=request.take_events(),
                 trace_headers=request.trace_headers,
             )

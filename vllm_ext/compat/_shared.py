@@ -13,6 +13,8 @@ it unnecessary and when it can go, and each with the `SIGNATURES` of its targets
 - `deepseek_v2`: DeepSeek V2/V3's model module
 - `models`: the model registry, loader and the classes the families build from
 - `ffn_runtime`: what vLLM's layers expect around them in the FFN server
+- `kv_connector`: a failed AFD step keeps vLLM's KV connector results (prefill/decode
+  disaggregation with the attention server as KV consumer)
 - `expert_parallel`: an FFN rank holding and computing only its slice of the routed experts
 - `offline`: the public LLM API for vllm_ext.testing
 
@@ -31,6 +33,7 @@ from vllm_ext.compat import (
     expert_parallel,
     ffn_runtime,
     forward_layers,
+    kv_connector,
     micro_batching,
     model_runner,
     models,
@@ -65,6 +68,7 @@ SEAMS = (
     ffn_runtime,
     expert_parallel,
     forward_layers,
+    kv_connector,
     offline,
 )
 

@@ -4,7 +4,10 @@
 
 Why: `/health` must report the FFN side's state (afd-ctl's view), and a request that failed
 because the FFN side is down must be a 503 that says so (a streamed one an error event), not
-"Internal server error".
+"Internal server error". `vllm/v1/engine/output_processor.py` `OutputProcessor.process_outputs`
+is where the API process sees why the engine failed a request (its stop_reason), and by which
+id the API server knows it: only an AFD failure gets AFD's reply (another error, such as a
+prompt's KV cache a prefill server could not hand over, stays vLLM's own).
 Upstream change that makes it unnecessary: a plugin health-check hook, and a typed request
 error a worker can raise that the OpenAI server maps to 503 with its message.
 Remove when: every supported line has both.
@@ -34,6 +37,11 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         ("self", "message", "err_type", "status_code"),
     ),
     ("vllm.v1.engine.exceptions", "EngineDeadError", ()),
+    (
+        "vllm.v1.engine.output_processor",
+        "OutputProcessor.process_outputs",
+        ("self", "engine_core_outputs"),
+    ),
 ]
 
 
@@ -62,16 +70,39 @@ def api_server_patched() -> bool:
     return bool(getattr(AsyncLLM.check_health, _PATCHED, False))
 
 
+def engine_outputs_seen(on_output: Callable[[str, Any], None]) -> Callable[[Any], Any]:
+    """A wrapper for OutputProcessor.process_outputs that first calls on_output(the API
+    server's id of the request, its stop_reason) for each finished EngineCoreOutput."""
+
+    def wrap(process_outputs: Any) -> Any:
+        def wrapped(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            for output in engine_core_outputs:
+                if output.finish_reason is None:
+                    continue
+                state = self.request_states.get(output.request_id)
+                on_output(getattr(state, "external_req_id", output.request_id), output.stop_reason)
+            return process_outputs(self, engine_core_outputs, *args, **kwargs)
+
+        return wrapped
+
+    return wrap
+
+
 def patch_api_server(
     wrap_check_health: Callable[[Any], Any],
     wrap_raise_if_error: Callable[[Any], Any],
     wrap_streaming_error: Callable[[Any], Any],
+    wrap_process_outputs: Callable[[Any], Any],
 ) -> None:
-    """Each of AsyncLLM.check_health, GenerateBaseServing._raise_if_error and
-    _convert_generation_error_to_streaming_response becomes wrap_...(vLLM's method), once."""
+    """Each of AsyncLLM.check_health, GenerateBaseServing._raise_if_error,
+    _convert_generation_error_to_streaming_response and OutputProcessor.process_outputs
+    becomes wrap_...(vLLM's method), once."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
     AsyncLLM, GenerateBaseServing = api_server_classes()  # noqa: N806
     if api_server_patched():
         return
+    OutputProcessor.process_outputs = wrap_process_outputs(OutputProcessor.process_outputs)
     check_health = wrap_check_health(AsyncLLM.check_health)
     setattr(check_health, _PATCHED, True)
     AsyncLLM.check_health = check_health

@@ -27,7 +27,19 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vllm.v1.engine", "EngineCoreOutput", ()),
     ("vllm.v1.engine", "EngineCoreOutputs", ()),
     ("vllm.v1.request", "RequestStatus.FINISHED_ERROR", ()),
+    # They log a failed start with its exception on STARTUP_FAILURE_LOGGER (below).
+    ("vllm.v1.executor.multiproc_executor", "WorkerProc.worker_main", ()),
+    ("vllm.v1.engine.core", "EngineCoreProc.run_engine_core", ()),
 ]
+
+# vLLM's logger. A worker or engine core that fails to start logs its exception there
+# ("WorkerProc failed to start.", "EngineCore failed to start.", with exc_info) and hands the
+# API server only "Engine core initialization failed. See root cause above."; the plugin loads
+# in those processes after vLLM configured its logging, so a handler added then stays
+# (vllm_ext.startup_errors reads the exception from it).
+STARTUP_FAILURE_LOGGER = "vllm"
+# What those two log records say (only start-up failures: a failed step later is not one).
+STARTUP_FAILURE_PHRASE = "failed to start"
 
 
 def loaded_engine_core_module() -> Any:

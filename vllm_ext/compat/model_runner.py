@@ -1,6 +1,8 @@
 """Seam: the V1 model runner's private methods the AFD attention runner overrides
 (`vllm/v1/worker/gpu_model_runner.py` `GPUModelRunner`: `_determine_batch_execution_and_padding`,
-`_model_forward`, `_dummy_run`; CPUModelRunner inherits them) and the tuple the first returns.
+`_model_forward`, `_dummy_run`; CPUModelRunner inherits them) and the tuple the first returns;
+its `execute_model`, only to settle a failed step's KV connector work (`kv_connector`; a step
+whose verdict fails where its tokens are read keeps that work too).
 
 `sample_tokens` is where a step's sampled tokens leave the runner: the AFD verdict of a
 GPU-driven step (only enqueued when it closed) is checked where they are first read.
@@ -48,17 +50,29 @@ def check_before_tokens(output: Any, check: Any) -> Any:
     from vllm.v1.outputs import AsyncModelRunnerOutput
 
     if not isinstance(output, AsyncModelRunnerOutput):
-        check()
+        _checked(output, check)
         return output
     get_output = output.get_output
 
     def checked_get_output() -> Any:
         result = get_output()
-        check()
+        _checked(result, check)
         return result
 
     output.get_output = checked_get_output
     return output
+
+
+def _checked(output: Any, check: Any) -> None:
+    """check(); a failed step's KV connector results (in its ModelRunnerOutput, which the
+    failure keeps from the scheduler) go to the scheduler with the next step's output."""
+    try:
+        check()
+    except BaseException:
+        from vllm_ext.compat import kv_connector
+
+        kv_connector.LIFECYCLE.strand(getattr(output, "kv_connector_output", None))
+        raise
 
 
 def padding_decision(result: tuple) -> tuple[int, list[int] | None, str, bool]:
@@ -86,6 +100,18 @@ class RunnerSeam:
     """Mixed in front of the platform's V1 model runner (GPUModelRunner or CPUModelRunner,
     which inherits these): overrides the three private methods and calls the runner's hooks,
     which a subclass defines (vllm_ext.attention.worker)."""
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's step; a step that raises (a failed AFD step) still settles its KV connector
+        work (prefill/decode disaggregation: vllm_ext.compat.kv_connector says why)."""
+        from vllm_ext.compat import kv_connector
+
+        kv_connector.watch_kv_connector_lifecycle()
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+        except Exception:
+            kv_connector.settle_failed_step(scheduler_output, self.vllm_config)  # type: ignore[attr-defined]
+            raise
 
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM decides the step's padded size (and, under DP, every rank's) here, before it

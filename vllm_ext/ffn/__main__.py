@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.afd_role is None:
         args.afd_role = "ffn"
-    serve_ffn(args)
+    from vllm_ext import startup_errors
+
+    with startup_errors.said_last():
+        serve_ffn(args)
 
 
 if __name__ == "__main__":

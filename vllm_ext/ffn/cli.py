@@ -34,20 +34,39 @@ def serve_ffn(args: argparse.Namespace) -> None:
     afd = from_vllm_config(vllm_config)
     if afd is None or afd.role is not Role.FFN:
         raise ValueError("serve_ffn needs --afd-role ffn and --afd-controller")
+    ignore_kv_transfer(vllm_config)
     sys.exit(run_worker(vllm_config, afd))
+
+
+def ignore_kv_transfer(vllm_config: Any) -> None:
+    """An FFN server holds no KV cache, so it takes no part in prefill/decode disaggregation:
+    a --kv-transfer-config (e.g. from a command line shared with the attention server) is
+    dropped with one line, and no KV connector is ever made here."""
+    if getattr(vllm_config, "kv_transfer_config", None) is None:
+        return
+    log.warning(
+        "afd ffn: --kv-transfer-config ignored: an FFN server holds no KV cache (give it to "
+        "the prefill servers and the attention server only)"
+    )
+    vllm_config.kv_transfer_config = None
 
 
 def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
     """Runs one FFN worker; a start-up problem the user must fix (afd-ctl not answering,
     refused credentials, a bad setting) ends it with one line that says what, no traceback."""
     from afd_ctl.errors import AfdError
+    from vllm_ext.control import AfdCredentialsRefused
+    from vllm_ext.startup_errors import one_line, say
 
     worker = FfnWorker(vllm_config, afd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
     try:
-        return worker.run()
-    except (TimeoutError, ValueError, AfdError) as exc:
+        code = worker.run()
+    except (TimeoutError, ValueError, AfdError, AfdCredentialsRefused) as exc:
         log.error("afd ffn %s: %s", worker.worker_id, exc)
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        say(f"error: {one_line(exc)}")
         return 1
+    if code != 0:  # run() logged the failure with its traceback; its reason goes last
+        say("error: " + " ".join(worker._leave_reason.split()))
+    return code

@@ -134,6 +134,9 @@ class FfnWorker:
             access, spec, self._exchanges, f"ffn rank {afd.ffn_rank}", self.vllm_config
         )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
+        # /health follows afd-ctl too: 503 while it is unreachable or the set is incomplete,
+        # whichever the loop happens to see first (an outage, a lost peer).
+        self._metrics.follow(self._client.serving)
         if afd.profile_dir:
             from vllm_ext.step_profiler import StepProfiler
 
@@ -283,17 +286,16 @@ class FfnWorker:
                 view = self._link.wait_newer(timeout_s=IDLE_POLL_S, after_epoch=after_epoch)
                 self._loss_watch.reset()
                 return view
-            except AfdTimeout as exc:
+            except AfdTimeout:
                 self._poll_idle()
                 self._loss_watch.check()
                 now = time.monotonic()
                 if now >= next_log:
                     next_log = now + WAIT_LOG_S
                     log.info(
-                        "afd ffn %s: waiting %.0f s so far for the attention side: %s",
+                        "afd ffn %s: waiting for the attention side: %s",
                         self.worker_id,
-                        now - started,
-                        exc,
+                        self._client.incomplete_message(f"for {now - started:.0f} s so far"),
                     )
         return None
 

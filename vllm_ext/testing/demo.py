@@ -1,12 +1,13 @@
 """The end-to-end demo: afd-ctl, an FFN server and an attention server on a tiny DeepSeek-V2.
 
-    python -m vllm_ext.testing.demo [--workdir DIR]
+    python -m vllm_ext.testing.demo [--workdir DIR]     (make demo [DEMO_DIR=DIR])
 
 Builds the tiny model (real-scale random weights, no hub), starts `afd-ctl serve`,
 `vllm serve --afd-role ffn`, `vllm serve --afd-role attention`, sends one OpenAI completion,
 prints the answer and `afd-ctl status`, then stops the attention server (which makes the FFN
 server exit) and the daemon. Every process is in its own session and killed on any failure.
-Model and logs go to a temporary folder removed on exit, or to --workdir DIR, which is kept.
+Model and logs go to --workdir DIR, which is kept; without it, to a temporary folder that is
+removed after a run that succeeds and kept (and named) after one that fails.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,7 +89,10 @@ def step(message: str) -> None:
 
 def run(workdir: Path, keep: bool = True) -> int:
     children: list[Child] = []
-    env = vllm_env()
+    # vLLM leaves its IPC sockets (7 per `vllm serve`, with or without AFD) and a vllm_dist_*
+    # folder in the temporary folder; the servers get one of their own, removed at the end.
+    scratch = Path(tempfile.mkdtemp(prefix="afd-demo-tmp-"))
+    env = {**vllm_env(), "TMPDIR": str(scratch)}
     try:
         step("building the tiny DeepSeek-V2 (hidden 256, 4 layers, 8 experts + 1 shared)")
         model = build_tiny_deepseek(workdir / "tiny-deepseek-v2", version=2)
@@ -169,20 +174,25 @@ def run(workdir: Path, keep: bool = True) -> int:
         ffn.popen.wait(30)
         print(f"    ffn exited {ffn.stop()}")
         print(f"    afd-ctl exited {daemon.stop()}")
-        step(
-            f"done; logs in {workdir}"
-            + ("" if keep else " (removed on exit; --workdir keeps them)")
-        )
+        if keep:
+            step(f"done; model and logs in {workdir}")
+        else:
+            step(
+                "done; model and logs were in a temporary folder, now removed "
+                "(`make demo DEMO_DIR=DIR` or --workdir DIR keeps them)"
+            )
         return 0
     except Exception as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         for child in children:
             print(f"--- {child.name} ({child.log}) ---", file=sys.stderr)
             print("\n".join(child.text().splitlines()[-25:]), file=sys.stderr)
+        print(f"demo failed; its logs are kept in {workdir}", file=sys.stderr)
         return 1
     finally:
         for child in reversed(children):
             child.stop(signal.SIGKILL, 5)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main() -> None:
@@ -193,8 +203,14 @@ def main() -> None:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         sys.exit(run(workdir))
-    with tempfile.TemporaryDirectory(prefix="afd-demo-") as tmp:
-        sys.exit(run(Path(tmp), keep=False))
+    workdir = Path(tempfile.mkdtemp(prefix="afd-demo-"))
+    code = None
+    try:
+        code = run(workdir, keep=False)
+    finally:
+        if code != 1:  # a failed run keeps its logs (run() said where); Ctrl-C does not
+            shutil.rmtree(workdir, ignore_errors=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
