@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from afd_ctl.cli_text import topology_label
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
+from afd_ctl.wire import enum_name
 
 POLL_S = 0.2
 
@@ -72,7 +73,9 @@ def run_scale(
             return 0 if status.last_change.startswith("scaled") else 3
         waiting = "; ".join(status.change.waiting_for) or "moving"
         if waiting != said:
-            print(f"  {afd_pb2.ScaleChange.Phase.Name(status.change.phase).lower()}: {waiting}")
+            print(
+                f"  {enum_name(afd_pb2.ScaleChange.Phase, status.change.phase).lower()}: {waiting}"
+            )
             said = waiting
         time.sleep(POLL_S)
     print(

@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from afd_ctl.v1 import afd_pb2
+from afd_ctl.wire import enum_name
 
 # `afd-ctl status` shows this many of the recent membership events and epochs (the JSON has
 # all).
@@ -30,7 +31,7 @@ def format_membership(status: afd_pb2.Status) -> list[str]:
     lines = ["", f"membership  {topology_label(status.current)}"]
     if status.HasField("change"):
         change = status.change
-        phase = afd_pb2.ScaleChange.Phase.Name(change.phase).lower()
+        phase = enum_name(afd_pb2.ScaleChange.Phase, change.phase).lower()
         lines.append(
             f"target      {topology_label(change.target)}: {phase}, asked "
             f"{time.time() - change.started_at_s:.1f} s ago ({change.reason})"
@@ -63,7 +64,7 @@ def to_json(message: Message, indent: int | None = 2) -> str:
 
 def health_of(status: afd_pb2.Status) -> str:
     # health_state is the enum; an older daemon only fills the word.
-    return afd_pb2.Health.Name(status.health_state) if status.health_state else status.health
+    return enum_name(afd_pb2.Health, status.health_state) if status.health_state else status.health
 
 
 def format_status(status: afd_pb2.Status) -> str:
@@ -79,7 +80,7 @@ def format_status(status: afd_pb2.Status) -> str:
     ]
     for role in status.roles:
         lines.append(
-            f"{afd_pb2.Role.Name(role.role).lower():<10} {role.registered:>10} {role.expected:>9}"
+            f"{enum_name(afd_pb2.Role, role.role).lower():<10} {role.registered:>10} {role.expected:>9}"
         )
     if status.ffn_groups:  # an older daemon does not say
         expected = {r.role: r.expected for r in status.roles}
@@ -104,7 +105,7 @@ def format_status(status: afd_pb2.Status) -> str:
         ]
         for load in status.loads:
             lines.append(
-                f"{load.worker_id:<28} {afd_pb2.Role.Name(load.role).lower():<9} "
+                f"{load.worker_id:<28} {enum_name(afd_pb2.Role, load.role).lower():<9} "
                 f"{load.exchange_path or '-':<5} "
                 f"{load.steps:>6} {load.utilisation:>5.0%} {load.waiting_share:>5.0%} "
                 f"{load.compute_ms_per_step:>10.3f} {load.wait_ms_per_step:>8.3f} "
@@ -131,10 +132,10 @@ def format_status(status: afd_pb2.Status) -> str:
     if status.recent_events:
         lines += ["", "RECENT EVENTS"]
         for event in status.recent_events[-RECENT_SHOWN:]:
-            kind = afd_pb2.MembershipEvent.Kind.Name(event.kind)
+            kind = enum_name(afd_pb2.MembershipEvent.Kind, event.kind)
             who = ""
             if event.HasField("worker"):
-                role_name = afd_pb2.Role.Name(event.worker.role).lower()
+                role_name = enum_name(afd_pb2.Role, event.worker.role).lower()
                 who = f" {role_name} {event.worker.role_rank} ({event.worker.worker_id})"
             when = time.strftime("%H:%M:%S", time.localtime(event.at_s))
             reason = f": {event.reason}" if event.reason else ""
@@ -150,7 +151,7 @@ def format_workers(workers: Sequence[afd_pb2.WorkerInfo]) -> str:
     for w in workers:
         dp, tp = f"{w.dp_rank}/{w.dp_size}", f"{w.tp_rank}/{w.tp_size}"
         lines.append(
-            f"{afd_pb2.Role.Name(w.role).lower():<10} {w.role_rank:>4} {dp:>5} {tp:>5}  "
+            f"{enum_name(afd_pb2.Role, w.role).lower():<10} {w.role_rank:>4} {dp:>5} {tp:>5}  "
             f"{w.worker_id:<28} {w.peer:<24} {now - w.registered_at_s:.0f}s"
         )
     return "\n".join(lines)
@@ -178,8 +179,8 @@ def format_tap(event: afd_pb2.TapEvent) -> str:
     e = event.membership
     who = ""
     if e.HasField("worker"):
-        who = f" {afd_pb2.Role.Name(e.worker.role).lower()} rank {e.worker.role_rank} ({e.worker.worker_id})"
-    kind = afd_pb2.MembershipEvent.Kind.Name(e.kind)
+        who = f" {enum_name(afd_pb2.Role, e.worker.role).lower()} rank {e.worker.role_rank} ({e.worker.worker_id})"
+    kind = enum_name(afd_pb2.MembershipEvent.Kind, e.kind)
     change = f" target={topology_label(e.view.target)}" if e.view.HasField("target") else ""
     change += " hold" if e.view.hold else ""
     return (

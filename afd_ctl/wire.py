@@ -28,3 +28,12 @@ def text_metadata(pairs: Iterable[tuple[str, str | bytes]] | None) -> dict[str, 
     """The text entries of a call's gRPC metadata (binary ones, keys ending in -bin, are
     bytes; none of ours is)."""
     return {key: value for key, value in pairs or () if isinstance(value, str)}
+
+
+def enum_name(enum: Any, value: int) -> str:
+    """`enum`'s name of `value`, or `UNKNOWN_<value>` for a value a newer daemon added (an older
+    CLI shows it instead of failing)."""
+    try:
+        return str(enum.Name(value))
+    except ValueError:
+        return f"UNKNOWN_{value}"

@@ -404,3 +404,14 @@ def test_trace_to_an_unwritable_path_says_so_in_one_line_before_recording(
     )
     assert f"--out {out_path}" in out.stderr and "nothing was recorded" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_an_older_cli_shows_event_kinds_a_newer_daemon_added_instead_of_failing():
+    """A daemon newer than the CLI may send enum values the CLI does not know (the elastic
+    membership's event kinds crashed an older `afd-ctl status` with "Enum Kind has no name
+    defined for value 6"): it prints UNKNOWN_<value> instead."""
+    from afd_ctl.cli_text import format_status
+
+    status = afd_pb2.Status(health="SERVING", epoch=3)
+    status.recent_events.add(kind=99)
+    assert "UNKNOWN_99" in format_status(status)
