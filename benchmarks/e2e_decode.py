@@ -623,6 +623,13 @@ def main() -> None:
         help="GPU: --gpu-memory-utilization of the colocated engine",
     )
     il.add_argument("--kv-cache-bytes", type=int, default=8 << 30, help="GPU: each engine's KV")
+    il.add_argument(
+        "--experts",
+        type=int,
+        default=256,
+        help="GPU: routed experts per MoE layer of the V3-shaped model (fewer: deeper models "
+        "fit two engines on one GPU, e.g. 128 for a 2/3/4-layer fit)",
+    )
     il.add_argument("--start-timeout", type=float, default=420.0)
     il.add_argument("--run-timeout", type=float, default=120.0, help="seconds for one repeat")
     il.add_argument(

@@ -87,7 +87,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
     procs: list[Proc] = []
     try:
         if args.gpu:
-            model = gpu_setup.write_v3_shaped(tmp / "model", depth)
+            model = gpu_setup.write_v3_shaped(tmp / "model", depth, args.experts)
             extra_path = gpu_setup.plugin_path(tmp)
             base = gpu_llm_kwargs(max(batches), 0.0)
             if args.cudagraph_mode:
@@ -183,8 +183,9 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
     }
     if args.gpu:
         result["routing"] = "vLLM uniform_random routing simulation (both sides)"
+        result["routed_experts_per_moe_layer"] = args.experts
         result["distinct_experts_per_moe_layer_per_step"] = {
-            str(b): round(expected_distinct_experts(256, 8, b), 1) for b in batches
+            str(b): round(expected_distinct_experts(args.experts, 8, b), 1) for b in batches
         }
         result["cudagraph_mode"] = args.cudagraph_mode or "vLLM default"
     refusals = []

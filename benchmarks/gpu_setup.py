@@ -58,9 +58,19 @@ def mps_state(flag: str = "auto") -> dict[str, Any]:
     }
 
 
-def v3_shaped_config(layers: int) -> dict[str, Any]:
-    """DeepSeek-V3's layer shapes (its real vocabulary size too: the LM head is part of a step)."""
+V3_EXPERTS = 256
+
+
+def v3_shaped_config(layers: int, experts: int = V3_EXPERTS) -> dict[str, Any]:
+    """DeepSeek-V3's layer shapes (its real vocabulary size too: the LM head is part of a step).
+    `experts` below V3's 256 (a multiple of its 8 expert groups, at least 64) shrinks each MoE
+    layer's weights alike for every part, so deeper models fit two engines on one GPU."""
     from vllm_ext.testing.tiny_deepseek import config_for
+
+    if experts % 8 or not 64 <= experts <= V3_EXPERTS:
+        raise ValueError(
+            f"--experts {experts}: give a multiple of 8 (V3's expert groups) in 64..{V3_EXPERTS}"
+        )
 
     config = config_for(3, head_dim=128)
     config.update(
@@ -71,7 +81,7 @@ def v3_shaped_config(layers: int) -> dict[str, Any]:
         num_hidden_layers=layers,
         num_attention_heads=128,
         num_key_value_heads=128,
-        n_routed_experts=256,
+        n_routed_experts=experts,
         num_experts_per_tok=8,
         n_shared_experts=1,
         first_k_dense_replace=1,
@@ -86,12 +96,12 @@ def v3_shaped_config(layers: int) -> dict[str, Any]:
     return config
 
 
-def write_v3_shaped(out: Path, layers: int) -> Path:
+def write_v3_shaped(out: Path, layers: int, experts: int = V3_EXPERTS) -> Path:
     """config.json and a tokenizer; the weights are vLLM's dummy ones (--load-format dummy)."""
     from vllm_ext.testing.tiny_deepseek import BOS_ID, EOS_ID, build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(v3_shaped_config(layers), indent=2))
+    (out / "config.json").write_text(json.dumps(v3_shaped_config(layers, experts), indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
     )

@@ -275,7 +275,7 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
 
     args = argparse.Namespace(
         part="colocated,afd,afd_dbo", gpu=True, batches="64,256", tokens=256, repeats=5,
-        interval_bound=0.25, cudagraph_mode="FULL_DECODE_ONLY",
+        interval_bound=0.25, cudagraph_mode="FULL_DECODE_ONLY", experts=128,
     )  # fmt: skip
     assert parts_of(args) == ["colocated", "afd", "afd_dbo"]
     tpot = {
@@ -291,6 +291,8 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
     assert row["ratio_tpot_afd_dbo_vs_afd"] == pytest.approx(6.5 / 8.2, abs=1e-3)
     assert row["ratio_tpot_afd_dbo_vs_colocated"] == pytest.approx(6.5 / 8.0, abs=1e-3)
     assert set(result["layers_3"]) >= {"afd_exchange", "afd_dbo_exchange", "afd_dbo_timeline"}
+    assert result["routed_experts_per_moe_layer"] == 128
+    assert result["distinct_experts_per_moe_layer_per_step"]["256"] > 127
     assert any("batch 256: afd_dbo / colocated interval" in r for r in result["refused"])
     assert not any("batch 64" in r for r in result["refused"])
     for bad in ("afd,afd", "afd", "colocated,afd_ep2"):
@@ -298,3 +300,16 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
             parts_of(argparse.Namespace(part=bad, gpu=True))
     with pytest.raises(SystemExit, match="needs --gpu"):
         parts_of(argparse.Namespace(part="colocated,afd_dbo", gpu=False))
+
+
+def test_the_v3_shaped_model_can_have_fewer_experts_so_deeper_models_fit_two_engines() -> None:
+    """Issue 33's fit needs colocated and AFD at 4 layers on one H200 at once (141 GB of
+    experts at V3's 256): a smaller expert count, the same for every part, stated in the JSON."""
+    from benchmarks.gpu_setup import v3_shaped_config
+
+    assert v3_shaped_config(4)["n_routed_experts"] == 256
+    config = v3_shaped_config(4, 128)
+    assert (config["n_routed_experts"], config["n_group"]) == (128, 8)
+    for bad in (100, 32, 512):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            v3_shaped_config(4, bad)
