@@ -6,7 +6,7 @@ CPU): the colocated engine and the AFD pair (afd-ctl, an FFN server, the attenti
 start together; once both are warm every batch size's timed repeats alternate between them (A,
 B at one repeat, B, A at the next: benchmarks/interleave.py), so drift on a shared machine hits
 both alike. What is reported per depth and batch: both medians, the ratio AFD / colocated
-with its 95% bootstrap interval, and with two depths the fit of what AFD adds per step and
+with its 95% bootstrap interval, and with two depths or more the fit of what AFD adds per step and
 per layer, each with its interval. A ratio interval wider than `--interval-bound` (relative)
 refuses the run, naming it; everything else decode_runner refuses stays refused.
 
@@ -217,7 +217,7 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
         result[f"layers_{depth}"] = rows
     afd_parts = [p for p in ("afd", "afd_dbo") if all(p in r["tpot_ms"] for r in depths.values())]
     colocated_in_all = all("colocated" in r["tpot_ms"] for r in depths.values())
-    if len(depths) == 2 and colocated_in_all:
+    if len(depths) >= 2 and colocated_in_all:
         for p in afd_parts:
             for b in batches:
                 afd = {d: run["tpot_ms"][p][b] for d, run in depths.items()}

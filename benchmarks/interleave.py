@@ -8,7 +8,7 @@ order hit both alike. What is compared comes with an interval instead of a refus
 
 - `ratio_interval`: the ratio of two parts' median TPOT with a 95% bootstrap interval (each
   part's repeats resampled);
-- `layer_fit`: what AFD adds per step and per layer, from the added TPOT at two depths
+- `layer_fit`: what AFD adds per step and per layer, from the added TPOT at two depths or more (least squares)
   (added(L) = a + b * L), each with its bootstrap interval.
 
 A run is refused only for nonsense (non-positive figures, mismatched counts, late compiles:
@@ -128,18 +128,23 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], seed: int = 0) ->
 def layer_fit(
     afd: dict[int, Sequence[float]], colocated: dict[int, Sequence[float]], seed: int = 0
 ) -> tuple[Interval, Interval]:
-    """(added per step, added per layer), µs, from two depths: added(L) = median TPOT_afd(L) -
-    median TPOT_colocated(L) = per_step + per_layer * L (TPOTs in ms)."""
+    """(added per step, added per layer), µs, from two or more depths: added(L) = median
+    TPOT_afd(L) - median TPOT_colocated(L) = per_step + per_layer * L (TPOTs in ms), a
+    least-squares line through the depths (through both points with two)."""
     depths = sorted(afd)
-    if len(depths) != 2 or sorted(colocated) != depths:
-        raise BenchmarkRefused(f"the layer fit needs two depths in both parts, got {depths}")
-    lo, hi = depths
+    if len(depths) < 2 or sorted(colocated) != depths:
+        raise BenchmarkRefused(
+            f"the layer fit needs two depths or more in both parts, got {depths}"
+        )
+    mean_depth = sum(depths) / len(depths)
+    spread = sum((L - mean_depth) ** 2 for L in depths)
     rng = random.Random(seed)
 
     def fit(pick: Any) -> tuple[float, float]:
         added = {L: 1e3 * (pick(afd[L]) - pick(colocated[L])) for L in depths}
-        per_layer = (added[hi] - added[lo]) / (hi - lo)
-        return added[lo] - per_layer * lo, per_layer
+        mean_added = sum(added.values()) / len(depths)
+        per_layer = sum((L - mean_depth) * (added[L] - mean_added) for L in depths) / spread
+        return mean_added - per_layer * mean_depth, per_layer
 
     step, layer = fit(statistics.median)
     boots = [

@@ -254,8 +254,13 @@ def test_layer_fit_recovers_what_is_added_per_step_and_per_layer() -> None:
     step, layer = layer_fit(afd, colocated)
     assert step.value == pytest.approx(200.0)
     assert layer.value == pytest.approx(25.0)
-    with pytest.raises(BenchmarkRefused, match="two depths"):
+    with pytest.raises(BenchmarkRefused, match="two depths or more"):
         layer_fit({2: [1.0]}, {2: [1.0]})
+    # Three depths (2, 3, 4 layers): the least-squares line; exact on a line.
+    colocated3 = {**colocated, 3: [3.0] * 5}
+    afd3 = {**afd, 3: [3.0 + 0.2 + 0.075] * 5}
+    step, layer = layer_fit(afd3, colocated3)
+    assert (step.value, layer.value) == (pytest.approx(200.0), pytest.approx(25.0))
 
 
 def test_expected_distinct_experts_under_uniform_routing() -> None:
