@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from afd_ctl.errors import (
     AfdControllerUnreachable,
@@ -131,33 +132,42 @@ class MembershipView:
     def wait_complete(self, timeout_s: float, after_epoch: int = 0) -> afd_pb2.View:
         """Blocks until every expected worker is registered in an epoch newer than
         `after_epoch`; returns that view."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                if self.fatal is not None:
-                    raise self.fatal
-                if self.stopped is not None:
-                    raise self.stopped
-                view = self.current
-                if (
-                    view is not None
-                    and view.complete
-                    and not view.hold  # a planned change's fence: the next view is the one
-                    and view.epoch > after_epoch
-                    and self.unreachable is None
-                ):
-                    # The caller has seen this epoch: older payloads and losses are history.
-                    self._acknowledged_epoch = max(self._acknowledged_epoch, view.epoch)
-                    return view
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AfdTimeout(self.incomplete_message(f"after {timeout_s:.1f} s"))
-                self.cond.wait(remaining)
+
+        def ready(view: afd_pb2.View) -> bool:
+            if not view.complete or view.hold or view.epoch <= after_epoch:
+                return False  # (a planned change's fence: the next view is the one)
+            if self.unreachable is not None:
+                return False
+            # The caller has seen this epoch: older payloads and losses are history.
+            self._acknowledged_epoch = max(self._acknowledged_epoch, view.epoch)
+            return True
+
+        return self._wait_view(
+            timeout_s, ready, lambda: self.incomplete_message(f"after {timeout_s:.1f} s")
+        )
 
     def wait_unheld(self, timeout_s: float) -> afd_pb2.View:
         """Blocks while the current view says `hold` (issue 37: a planned change at its
         fence); returns the view that lifted it (SCALED: a new epoch; CHANGE_ABORTED or a loss:
         the same or a newer one, possibly incomplete)."""
+        return self._wait_view(
+            timeout_s,
+            lambda view: not view.hold or self.unreachable is not None,
+            lambda: (
+                f"afd-ctl at {self.target} held this worker for a planned change for "
+                f"{timeout_s:.1f} s without moving to its new epoch or giving it up "
+                "(afd-ctl status shows the change)"
+            ),
+        )
+
+    def _wait_view(
+        self,
+        timeout_s: float,
+        ready: Callable[[afd_pb2.View], bool],
+        timed_out: Callable[[], str],
+    ) -> afd_pb2.View:
+        """Blocks until the current view is `ready` (checked under the lock); a fatal error or
+        a stop raises at once, the bound raises AfdTimeout(timed_out())."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while True:
@@ -166,15 +176,11 @@ class MembershipView:
                 if self.stopped is not None:
                     raise self.stopped
                 view = self.current
-                if view is not None and (not view.hold or self.unreachable is not None):
+                if view is not None and ready(view):
                     return view
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise AfdTimeout(
-                        f"afd-ctl at {self.target} held this worker for a planned change for "
-                        f"{timeout_s:.1f} s without moving to its new epoch or giving it up "
-                        "(afd-ctl status shows the change)"
-                    )
+                    raise AfdTimeout(timed_out())
                 self.cond.wait(remaining)
 
     def wait_drained(self, timeout_s: float) -> bool:
