@@ -630,6 +630,7 @@ def main() -> None:
         help="GPU: routed experts per MoE layer of the V3-shaped model (fewer: deeper models "
         "fit two engines on one GPU, e.g. 128 for a 2/3/4-layer fit)",
     )
+    il.add_argument("--log-dir", default="", help="keep every process's log of each run here")
     il.add_argument("--start-timeout", type=float, default=420.0)
     il.add_argument("--run-timeout", type=float, default=120.0, help="seconds for one repeat")
     il.add_argument(

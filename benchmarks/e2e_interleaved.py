@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -234,6 +235,16 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
     return result
 
 
+def keep_logs(args: argparse.Namespace, tmp: Path, run: str) -> None:
+    """With --log-dir, every process's log of this run (refused or not) is kept there."""
+    if not args.log_dir:
+        return
+    into = Path(args.log_dir) / run.replace("+", "_").replace("@", "_depth")
+    into.mkdir(parents=True, exist_ok=True)
+    for log in tmp.glob("*.log"):
+        shutil.copy2(log, into / log.name)
+
+
 def main(args: argparse.Namespace) -> int:
     """Runs every depth not yet in --state for these parts (so one depth per call fits a
     per-call limit), then prints the comparison of what the state holds; exit 3 when refused."""
@@ -250,7 +261,10 @@ def main(args: argparse.Namespace) -> int:
             break
         try:
             with tempfile.TemporaryDirectory(prefix="afd-e2e-il-") as tmp:
-                run = depth_run(args, depth, Path(tmp))
+                try:
+                    run = depth_run(args, depth, Path(tmp))
+                finally:
+                    keep_logs(args, Path(tmp), f"{parts}@{depth}")
         except BenchmarkRefused as exc:  # nonsense or late compiles: no figure of it is kept
             print(json.dumps({"benchmark": "e2e_decode", "depth": depth, "refused": [str(exc)]}))
             return 3

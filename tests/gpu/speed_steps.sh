@@ -31,8 +31,8 @@ for step in "$@"; do
       # "--experts 128 --depths 2,3,4" fits 4 layers of both engines on one H200.
       # shellcheck disable=SC2086
       timeout "${E2E_S:-560}" python3 "$ROOT/benchmarks/e2e_decode.py" --gpu --one-gpu \
-        --interleave --one-depth-per-call --state "$OUT/e2e_il_state.json" ${E2E_ARGS:-} \
-        > "$OUT/e2e_il.txt" 2>&1 || rc=1
+        --interleave --one-depth-per-call --state "$OUT/e2e_il_state.json" \
+        --log-dir "$OUT/e2e_il_logs" ${E2E_ARGS:-} >> "$OUT/e2e_il.txt" 2>&1 || rc=1
       tail -1 "$OUT/e2e_il.txt" | cut -c1-4000 ;;
     hop)
       timeout 180 python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 1000 \
