@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.timing_stats import (  # noqa: E402
     BenchmarkRefused,
     DecodeRun,
+    NotDecodedTogether,
     RequestTiming,
     bounded_spread,
     decode_run,
@@ -52,6 +53,8 @@ REFUSED_EXIT = 3
 # An untimed run of the same batch right before each timed one (seen on an H200: the first
 # timed repeat after another batch size's run was 20% slower than the rest).
 SETTLE_TOKENS = 16
+# Runs of one timed repeat at most, when its requests did not decode together (timed()).
+REPEAT_ATTEMPTS = 3
 # The FFN server's log line for a graph captured on a replay step (vllm_ext/exchange/nixl_graphs.py).
 FFN_LATE_CAPTURE = "never captured here: capturing them now"
 COUNTERS = ("num_backend_compilations", "num_inductor_compiles", "num_cudagraph_captured")
@@ -197,24 +200,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mlp: dict[int, list[float]] = {b: [] for b in batches}
     tokens: dict[int, list[list[int]]] = {}
     same_tokens = True
+    retried: list[str] = []
 
     def timed(b: int, r: int) -> DecodeRun:
-        """One timed repeat of batch `b`, right after an untimed settle run of the same batch."""
+        """One timed repeat of batch `b`, right after an untimed settle run of the same batch.
+        A run whose requests did not decode together is taken again (at most
+        REPEAT_ATTEMPTS runs), each such run named in the report's `retried_repeats`."""
         nonlocal same_tokens
         what = f"batch {b}, repeat {r}"
-        generate(b, SETTLE_TOKENS)  # the timed run never follows another batch size directly
-        x0 = exchange_totals()
-        before = counters.snapshot()
-        if timers is not None:
-            timers.steps.clear()
-        outs, wall = generate(b, args.tokens)
-        refuse_late_events(late_events(before, counters.snapshot()), what)
-        timings = request_timings(outs)
-        stagger_ms = 1e3 * (max(t.first_token_s for t in timings)
-                            - min(t.first_token_s for t in timings))  # fmt: skip
-        print(f"{what}: wall {wall:.3f} s, first tokens within {stagger_ms:.1f} ms",
-              file=sys.stderr, flush=True)  # fmt: skip
-        run = decode_run(timings, args.tokens, wall, what)
+        for attempt in range(1, REPEAT_ATTEMPTS + 1):
+            generate(b, SETTLE_TOKENS)  # the timed run never follows another batch directly
+            x0 = exchange_totals()
+            before = counters.snapshot()
+            if timers is not None:
+                timers.steps.clear()
+            outs, wall = generate(b, args.tokens)
+            refuse_late_events(late_events(before, counters.snapshot()), what)
+            timings = request_timings(outs)
+            stagger_ms = 1e3 * (max(t.first_token_s for t in timings)
+                                - min(t.first_token_s for t in timings))  # fmt: skip
+            print(f"{what}: wall {wall:.3f} s, first tokens within {stagger_ms:.1f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            try:
+                run = decode_run(timings, args.tokens, wall, what)
+                break
+            except NotDecodedTogether as exc:
+                if attempt == REPEAT_ATTEMPTS:
+                    raise
+                last_tokens_ms = 1e3 * (max(t.last_token_s for t in timings)
+                                        - min(t.last_token_s for t in timings))  # fmt: skip
+                retried.append(f"{exc} (first tokens within {stagger_ms:.1f} ms, last within "
+                               f"{last_tokens_ms:.1f} ms); taken again")  # fmt: skip
+                print(f"{retried[-1]}", file=sys.stderr, flush=True)
         runs[b].append(run)
         print(f"{what}: TPOT {1e3 * run.tpot_s:.3f} ms, {run.tokens_per_s:.1f} decode tokens/s",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -245,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_same_across_repeats": same_tokens,
         "late_events_checked": counters.sources(),
         "spread_bound": args.spread_bound,
+        "retried_repeats": retried,
     }
     config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)

@@ -215,6 +215,8 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
             if p.startswith("afd"):
                 rows[f"{p}_exchange"] = run["reports"][p].get("afd_exchange", {})
                 rows[f"{p}_timeline"] = run.get("timelines", {}).get(p, {})
+            if run["reports"][p].get("retried_repeats"):
+                rows[f"{p}_retried_repeats"] = run["reports"][p]["retried_repeats"]
         result[f"layers_{depth}"] = rows
     afd_parts = [p for p in ("afd", "afd_dbo") if all(p in r["tpot_ms"] for r in depths.values())]
     colocated_in_all = all("colocated" in r["tpot_ms"] for r in depths.values())

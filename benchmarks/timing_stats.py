@@ -154,12 +154,17 @@ def decode_run(
     tokens_per_s = batch * (expected_tokens - 1) / decode_span_s
     implied = batch / tpot_s
     if abs(tokens_per_s / implied - 1) > TOKENS_PER_S_TOLERANCE:
-        raise BenchmarkRefused(
+        raise NotDecodedTogether(
             f"{what}: decode tokens/s {tokens_per_s:.1f} disagrees with batch / TPOT "
             f"{implied:.1f} by more than {TOKENS_PER_S_TOLERANCE:.0%}: the {batch} requests "
             "did not decode together"
         )
     return DecodeRun(tpot_s, tokens_per_s, decode_span_s, wall_s, batch)
+
+
+class NotDecodedTogether(BenchmarkRefused):
+    """One timed run whose requests did not decode as one batch (decode_run): a sample that
+    is not a batch's TPOT; a runner may take that repeat again and say so."""
 
 
 def bounded_spread(values: Sequence[float], bound: float, what: str) -> Spread:
