@@ -354,6 +354,10 @@ def afd_case(out: Path, results: Path, model: Path, label: str, mode: str, topol
             case.row["ok"] &= case.row["full_graphs_with_exchange"]
         if dbo:  # the FFN side must have seen two-stage steps
             case.row["ok"] &= any(s.get("two_stage_steps", 0) > 0 for s in case.row["ffn_stats"])
+            if mode not in ("eager", "default"):  # FULL modes: micro-batched graph replays too
+                case.row["ok"] &= any(
+                    s.get("two_stage_replays", 0) > 0 for s in case.row["ffn_stats"]
+                )
     except Exception as exc:
         case.row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:3000])
     return case.finish(results)

@@ -27,6 +27,7 @@ class FfnSteps:
         self.worker_id = worker_id
         self.steps = 0
         self.two_stage_steps = 0  # steps the attention side ran as two micro-batches
+        self.two_stage_replays = 0  # ... of them, replays of the attention side's CUDA graph
         # Seconds spent waiting for attention rows, computing, and writing back.
         self.recv_s = self.compute_s = self.send_s = 0.0
         # The same split for each of the last STAT_WINDOW steps (medians: a typical step,
@@ -38,6 +39,7 @@ class FfnSteps:
         stats: dict[str, float] = {
             "steps": self.steps,
             "two_stage_steps": self.two_stage_steps,
+            "two_stage_replays": self.two_stage_replays,
             "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
             "compute_ms_per_step": 1e3 * self.compute_s / n,
             "send_ms_per_step": 1e3 * self.send_s / n,
@@ -62,6 +64,7 @@ class FfnSteps:
         self._recent.append(split)
         self.steps += 1
         self.two_stage_steps += step.stages > 1
+        self.two_stage_replays += step.stages > 1 and step.flags.is_graph_replaying
         if self.steps == 1 or self.steps % 1000 == 0:
             log.info(
                 "afd ffn %s: %d steps served (last %d, %s)",

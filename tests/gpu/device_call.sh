@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call of a GPU session (the `run` tool's command after the kit's 4 transfers):
+#   bash tests/gpu/device_call.sh LIMIT_S STEP...     (speed_steps.sh steps, under MPS)
+# Installs the kit from /tmp/kit if this machine has not yet, keeps the interleaved e2e state in
+# /tmp/state between calls (while the machine stays warm, /tmp stays; $OUT does not), packs
+# each call's e2e logs into $OUT, and says how long the steps took. Time per call on one H200:
+# e2e_il of one depth (4 layers, --experts 128, two parts) 145-205 s once the machine is warm
+# (set E2E_S to 300 or more per depth: 175 s was too short); the dbo check group in one mode 184 s.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:?OUT is the device call output folder}
+if [ ! -d /tmp/site/vllm ]; then
+  bash /tmp/kit/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
+  tail -1 "$OUT/install.log"
+fi
+export PYTHONPATH=/tmp/site:$ROOT HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+mkdir -p /tmp/state
+[ -f /tmp/state/e2e_il_state.json ] && cp /tmp/state/e2e_il_state.json "$OUT/"
+limit=$1
+shift
+t0=$(date +%s)
+bash "$ROOT/tests/gpu/with_mps.sh" "$limit" bash "$ROOT/tests/gpu/speed_steps.sh" "$@"
+rc=$?
+[ -f "$OUT/e2e_il_state.json" ] && cp "$OUT/e2e_il_state.json" /tmp/state/
+if [ -d "$OUT/e2e_il_logs" ]; then
+  tar czf "$OUT/e2e_il_logs_$(date +%H%M%S).tgz" -C "$OUT" e2e_il_logs && rm -rf "$OUT/e2e_il_logs"
+fi
+echo "device_call: $* rc=$rc in $(($(date +%s) - t0)) s"
+exit $rc
