@@ -180,7 +180,7 @@ def test_afd_1_attention_4_ffn_expert_parallel_matches_colocated(
     """1 attention (offline LLM()) : 4 FFN servers, one group: each FFN rank holds 2 of the 8
     routed experts; the attention side adds the four partial outputs."""
     model = tiny_models[3]
-    reference = colocated_reference(model, 3, tmp_path)
+    reference = colocated_reference(tiny_models, 3, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "4")
     ffns = start_ffn_ranks(model, daemon, procs, tmp_path, 4)
     attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
