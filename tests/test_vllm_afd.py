@@ -45,18 +45,26 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[Version, Path]
 _REFERENCES: dict[Version, dict] = {}
 
 
-def colocated_reference(model: Path, version: Version, log_dir: Path) -> dict:
-    """vLLM's own colocated run, once per model per session."""
+def colocated_reference(models: dict[Version, Path], version: Version, log_dir: Path) -> dict:
+    """vLLM's own colocated run of models[version], once per model per session. The first call
+    runs every model's at once: each is one process doing one core's work, so on 2 cores the
+    three take about the time of two, and most sessions ask for all three."""
     if version not in _REFERENCES:
-        proc = Proc(
-            offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
-            log_dir / f"colocated-v{version}.log",
-            vllm_env(in_process=True),
-        )
+        procs = {
+            v: Proc(
+                offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
+                log_dir / f"colocated-v{v}.log",
+                vllm_env(in_process=True),
+            )
+            for v, model in models.items()
+            if v not in _REFERENCES
+        }
         try:
-            _REFERENCES[version] = proc.json_report(timeout=240)
+            for v, proc in procs.items():
+                _REFERENCES[v] = proc.json_report(timeout=240)
         finally:
-            proc.stop()
+            for proc in procs.values():
+                proc.stop()
     return _REFERENCES[version]
 
 
@@ -123,7 +131,7 @@ def test_afd_1_attention_1_ffn_matches_colocated(
     tmp_path: Path,
 ) -> None:
     model = tiny_models[version]
-    reference = colocated_reference(model, version, tmp_path)
+    reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     # The per-role torch profiler switch, through the environment, on both roles.
     traces = tmp_path / "traces"
@@ -187,7 +195,7 @@ def test_router_gate_on_the_attention_side_matches_colocated(
     sigmoid scores, grouped top-k and the correction bias stay on the FFN side; Qwen3-MoE:
     softmax top-k with norm_topk_prob on the FFN side)."""
     model = tiny_models[version]
-    reference = colocated_reference(model, version, tmp_path)
+    reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     gate = {"AFD_GATE": "attention"}
     ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=gate)
@@ -206,7 +214,7 @@ def test_ffn_server_waits_for_a_slow_attention_side(
     """An FFN server is a server: it waits for its attention peers past connect_timeout_s (a
     large model's attention side takes minutes to load), then serves them."""
     model = tiny_models[2]
-    reference = colocated_reference(model, 2, tmp_path)
+    reference = colocated_reference(tiny_models, 2, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env={"AFD_CONNECT_TIMEOUT_S": "2"})
     ffn.wait_for("registered as ffn rank 0", 180)
@@ -227,7 +235,7 @@ def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
     """1 attention : 2 FFN: each FFN server keeps half the routed experts (shared experts and
     the dense layers on FFN rank 0); the attention side adds the two partial outputs."""
     model = tiny_models[version]
-    reference = colocated_reference(model, version, tmp_path)
+    reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "2")
     ffns = []
     for rank in range(2):
@@ -251,7 +259,7 @@ def test_ffn_output_matters(tiny_models: dict[Version, Path], tmp_path: Path) ->
     """Guards the comparison above: the tiny model's FFN blocks move the greedy tokens, so a
     broken hand-off (here: every FFN output replaced by zeros) cannot match colocated."""
     model = tiny_models[2]
-    reference = colocated_reference(model, 2, tmp_path)
+    reference = colocated_reference(tiny_models, 2, tmp_path)
     script = (
         "import json, torch\n"
         "from vllm_ext.testing.offline import generate\n"
@@ -278,7 +286,7 @@ def test_plugin_without_afd_settings_changes_nothing(
     """The same colocated run with the plugin disabled (VLLM_PLUGINS names another plugin)
     gives the same tokens and bit-identical log-probs."""
     model = tiny_models[2]
-    reference = colocated_reference(model, 2, tmp_path)
+    reference = colocated_reference(tiny_models, 2, tmp_path)
     proc = Proc(
         offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
         tmp_path / "no-plugin.log",
