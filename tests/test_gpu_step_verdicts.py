@@ -12,6 +12,7 @@ reports step timings to afd-ctl: `afd-ctl status` shows the path and `afd-ctl tr
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -88,8 +89,13 @@ def side():
 def test_steps_close_at_once_and_settle_when_their_tokens_are_read(side) -> None:
     s = side()
     closes = [s.step(i) for i in range(1, 21)]
-    # The host closed 20 steps of ~8 ms GPU time each in far less than one step's time.
-    assert max(closes) < 0.004 and sum(closes) < 0.02
+    # The host closes a step without waiting for its GPU time (~8 ms): a typical close takes
+    # well under half of it, and the 20 closes together less than half of the 20 steps' GPU
+    # time (a host that waited would need all of it). Not the slowest single close: on a
+    # loaded 2-core CI machine one can lose the CPU for several milliseconds.
+    step_gpu_s = LAYERS * FFN_COMPUTE_S
+    assert statistics.median(closes) < step_gpu_s / 2, closes
+    assert sum(closes) < 20 * step_gpu_s / 2, closes
     s.watchdog.verdict(range(1, 21), s.bound_s)  # all ran to their end: no raise
     retired = s.watchdog.take_retired()
     assert [r.step_id for r in retired] == list(range(1, 21))
