@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         - min(t.last_token_s for t in timings))  # fmt: skip
                 retried.append(f"{exc} (first tokens within {stagger_ms:.1f} ms, last within "
                                f"{last_tokens_ms:.1f} ms); taken again")  # fmt: skip
-                print(f"{retried[-1]}", file=sys.stderr, flush=True)
+                print(retried[-1], file=sys.stderr, flush=True)
         runs[b].append(run)
         print(f"{what}: TPOT {1e3 * run.tpot_s:.3f} ms, {run.tokens_per_s:.1f} decode tokens/s",
               file=sys.stderr, flush=True)  # fmt: skip

@@ -13,7 +13,6 @@ if [ ! -d /tmp/site/vllm ]; then
   bash /tmp/kit/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
   tail -1 "$OUT/install.log"
 fi
-export PYTHONPATH=/tmp/site:$ROOT HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 mkdir -p /tmp/state
 [ -f /tmp/state/e2e_il_state.json ] && cp /tmp/state/e2e_il_state.json "$OUT/"
 limit=$1
