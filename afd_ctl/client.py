@@ -163,12 +163,20 @@ class ControllerClient:
         none) and waits until the hold is lifted: returns that view (SCALED: the new epoch,
         whose peers to reconnect to). None when no hold was asked. AfdTimeout after
         `timeout_s`."""
+        if not self.fenced(last_step_id):
+            return None
+        return self._view.wait_unheld(timeout_s)
+
+    def fenced(self, last_step_id: int = 0) -> bool:
+        """Says `fenced` (with the last step this worker published) when afd-ctl asks for a
+        hold, without waiting; False when it does not. For a worker with no step in flight
+        (idle), from any thread; its next step then calls `hold`, which waits."""
         view = self._view.view()
         if not view.hold:
-            return None
+            return False
         fenced = afd_pb2.Fenced(epoch=view.epoch, last_step_id=last_step_id)
         self._link.send(afd_pb2.SessionRequest(fenced=fenced))
-        return self._view.wait_unheld(timeout_s)
+        return True
 
     def add_listener(self, listener: EventListener) -> None:
         """`listener(event)` runs on the session thread for every membership event."""

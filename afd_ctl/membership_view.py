@@ -134,8 +134,10 @@ class MembershipView:
         `after_epoch`; returns that view."""
 
         def ready(view: afd_pb2.View) -> bool:
-            if not view.complete or view.hold or view.epoch <= after_epoch:
-                return False  # (a planned change's fence: the next view is the one)
+            if not view.complete or view.hold or view.pending or view.epoch <= after_epoch:
+                # A planned change's fence, or a worker registered for its target and not
+                # routed yet: the view after the change is the one.
+                return False
             if self.unreachable is not None:
                 return False
             # The caller has seen this epoch: older payloads and losses are history.

@@ -312,7 +312,8 @@ def check_target(membership: Membership, target: Topology) -> None:
             raise ControlError(
                 "FAILED_PRECONDITION",
                 f"{worker.describe()} cannot follow a planned change (it does not hold at a "
-                "fence, drain or reconnect to a new epoch; vLLM workers do not yet): restart "
+                "fence, drain or reconnect to a new epoch; a vLLM worker does once started "
+                "with afd max_attention / max_ffn, README: Elastic membership): restart "
                 f"the deployment at {target.attention}:{target.ffn} instead",
             )
         if worker.role == ATTENTION and target.attention % spec.tp_size:

@@ -79,6 +79,13 @@ class TransportConfig:
     # vLLM extension takes afd-ctl's, from --expert-parallel-size). 0: min(M, N), the default;
     # construction resolves it, so the field always holds the number in use.
     ffn_groups: int = 0
+    # Issue 37, elastic membership (`afd-ctl scale`): the most attention and FFN ranks the
+    # buffers are sized for. 0 and 0: a fixed membership (num_attention:num_ffn, the exact
+    # buffers). Either set (the other 0 means its start-up count): every connect takes the M, N
+    # and groups of the control plane's view, within these, so a peer joins or leaves without
+    # reallocating; every worker of the deployment must say the same.
+    max_attention: int = 0
+    max_ffn: int = 0
     # Attention role rank = dp_rank * attention_tp_size + tp_rank.
     attention_tp_size: int = 1
     # --- bounds and polling --------------------------------------------------------------
@@ -140,6 +147,24 @@ class TransportConfig:
         except ValueError as e:
             raise AfdBadInput(f"TransportConfig.ffn_groups: {e}") from None
         set_(self, "ffn_groups", groups)
+        for name in ("max_attention", "max_ffn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise AfdBadInput(f"TransportConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.max_attention or self.max_ffn:
+            set_(self, "max_attention", self.max_attention or self.num_attention)
+            set_(self, "max_ffn", self.max_ffn or self.num_ffn)
+            for name, count in (("attention", self.num_attention), ("ffn", self.num_ffn)):
+                if count > getattr(self, f"max_{name}"):
+                    raise AfdBadInput(
+                        f"TransportConfig.num_{name} ({count}) is above max_{name} "
+                        f"({getattr(self, f'max_{name}')}), the most the buffers are sized for"
+                    )
+            if self.max_attention % self.attention_tp_size:
+                raise AfdBadInput(
+                    f"TransportConfig.max_attention ({self.max_attention}) must be a multiple "
+                    f"of attention_tp_size ({self.attention_tp_size})"
+                )
         if self.num_stages not in (1, 2):
             raise AfdBadInput(f"TransportConfig.num_stages must be 1 or 2, got {self.num_stages!r}")
         if not isinstance(self.router_width, int) or self.router_width < 0:
@@ -176,6 +201,34 @@ class TransportConfig:
         return DTYPE_SIZES[self.router_dtype]
 
     @property
+    def elastic(self) -> bool:
+        """Sized for a membership that may change (max_attention / max_ffn set)."""
+        return bool(self.max_attention)
+
+    def with_routing(self, num_attention: int, num_ffn: int, ffn_groups: int) -> TransportConfig:
+        """The same buffers routed for another membership (a control plane's view); AfdBadInput
+        naming the bound when this config was not sized for it."""
+        routing = (num_attention, num_ffn, ffn_groups)
+        if routing == (self.num_attention, self.num_ffn, self.ffn_groups):
+            return self
+        if not self.elastic:
+            raise AfdBadInput(
+                f"the membership moved to {num_attention}:{num_ffn} ({ffn_groups} FFN "
+                f"group(s)) but this data plane was sized for exactly {self.num_attention}:"
+                f"{self.num_ffn}; start the workers with max_attention / max_ffn (afd "
+                "max_attention / max_ffn with vLLM) to follow afd-ctl scale"
+            )
+        if num_attention > self.max_attention or num_ffn > self.max_ffn:
+            raise AfdBadInput(
+                f"the membership moved to {num_attention}:{num_ffn} but this data plane was "
+                f"sized for at most {self.max_attention}:{self.max_ffn} (max_attention, "
+                "max_ffn); start the workers sized for the largest membership"
+            )
+        return dataclasses.replace(
+            self, num_attention=num_attention, num_ffn=num_ffn, ffn_groups=ffn_groups
+        )
+
+    @property
     def attention_dp_size(self) -> int:
         """Length of every ``num_tokens_across_dp`` list."""
         return self.num_attention // self.attention_tp_size
@@ -194,7 +247,18 @@ class TransportConfig:
             "num_ffn": self.num_ffn,
             "ffn_groups": self.ffn_groups,
             "attention_tp_size": self.attention_tp_size,
+            "max_attention": self.max_attention,
+            "max_ffn": self.max_ffn,
         }
+
+    def compared_shape_fields(self) -> dict[str, Any]:
+        """The shape fields a peer must match: with an elastic membership the routing ones
+        (M, N, groups) are each connect's, only the bounds the buffers were sized for count."""
+        fields = self.shape_fields()
+        if self.elastic:
+            for name in ("num_attention", "num_ffn", "ffn_groups"):
+                del fields[name]
+        return fields
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **flags: Any) -> TransportConfig:

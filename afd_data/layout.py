@@ -83,9 +83,14 @@ class BufferLayout:
         self.config = config
         self.role = role
         self.num_slots = config.layers_in_flight * config.num_stages
-        self.num_peers = max_peers(
-            role, config.num_attention, config.num_ffn, groups=config.ffn_groups
-        )
+        if config.elastic:
+            # Any membership up to max_attention:max_ffn (issue 37): at most every rank of
+            # the other role is a peer.
+            self.num_peers = config.max_ffn if role is Role.ATTENTION else config.max_attention
+        else:
+            self.num_peers = max_peers(
+                role, config.num_attention, config.num_ffn, groups=config.ffn_groups
+            )
         hidden_row = config.hidden_size * config.itemsize
         router_row = config.router_width * config.router_itemsize
         max_rows = config.max_tokens_per_peer

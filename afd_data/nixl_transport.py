@@ -66,7 +66,7 @@ from afd_data.memory import Array
 from afd_data.peers import PeerSpec, validate_peers
 from afd_data.poll import tighten_timer_slack
 from afd_data.step_plan import plan_step, validate_counts
-from afd_data.transport_parts import build_parts
+from afd_data.transport_parts import build_parts, routed_peers
 
 __all__ = ["NixlTransport", "PeerSpec"]
 
@@ -142,12 +142,27 @@ class NixlTransport:
         """The loss this transport saw in its epoch (every wait raises it until reconnect)."""
         return self._p.loss.lost
 
-    def connect(self, epoch: int, peers: Iterable[PeerSpec | Sequence[Any]]) -> None:
+    def connect(
+        self,
+        epoch: int,
+        peers: Iterable[PeerSpec | Sequence[Any]],
+        routing: tuple[int, int, int] | None = None,
+    ) -> None:
         """Connects to the peers of this epoch: every routed peer, each as (role, role_rank,
-        dp_rank, blob). Validates everything before changing anything."""
+        dp_rank, blob). ``routing`` (M, N, FFN groups) is the epoch's membership, when it may
+        differ from the start-up one (an elastic config, issue 37). Validates everything before
+        changing anything."""
         p = self._p
         p.check_open()
         specs = [PeerSpec.of(x) for x in peers]
+        config = self.config if routing is None else self.config.with_routing(*routing)
+        count = config.num_attention if self.role is Role.ATTENTION else config.num_ffn
+        if not 0 <= self.role_rank < count:
+            raise AfdBadInput(
+                f"connect: {self.role.label} rank {self.role_rank} is not in the membership "
+                f"{config.num_attention}:{config.num_ffn}"
+            )
+        ranks = routed_peers(config, self.role, self.role_rank)
         if not isinstance(epoch, int) or epoch < 0:
             raise AfdBadInput(f"epoch must be an integer >= 0, got {epoch!r}")
         previous = p.inbox.epoch
@@ -156,16 +171,14 @@ class NixlTransport:
                 f"connect(epoch={epoch}) but this transport is already at epoch {previous}; "
                 "use the control plane's newest view"
             )
-        if previous is not None and epoch == previous:
+        if previous is not None and epoch == previous and config is self.config:
             if p.peers.same(specs):
                 return  # the same view again
             raise AfdBadInput(
                 f"connect(epoch={epoch}) with other peers than the ones already connected in "
                 "that epoch; a membership change must come with a new epoch"
             )
-        fresh = validate_peers(
-            specs, self.config, self.role, self.role_rank, self.peer_ranks, p.layout
-        )
+        fresh = validate_peers(specs, config, self.role, self.role_rank, ranks, p.layout)
         p.queue.settle()
         try:
             kept = p.peers.rewire(fresh, specs)
@@ -176,6 +189,19 @@ class NixlTransport:
             p.reset_steps()
             raise
         p.reset_steps()
+        if config is not self.config:
+            logger.info(
+                "data plane %s: membership %d:%d (%d FFN group(s)) -> %d:%d (%d)",
+                self.name,
+                self.config.num_attention,
+                self.config.num_ffn,
+                self.config.ffn_groups,
+                config.num_attention,
+                config.num_ffn,
+                config.ffn_groups,
+            )
+            self.config = p.config = config
+            self.peer_ranks = p.peer_ranks = ranks
         p.inbox.enter_epoch(epoch, p.peers.senders(), p.peers.labels())
         p.loss.lost = None
         logger.info(
@@ -188,10 +214,15 @@ class NixlTransport:
             kept,
         )
 
-    def reconnect(self, epoch: int, peers: Iterable[PeerSpec | Sequence[Any]]) -> None:
+    def reconnect(
+        self,
+        epoch: int,
+        peers: Iterable[PeerSpec | Sequence[Any]],
+        routing: tuple[int, int, int] | None = None,
+    ) -> None:
         """After a membership change: drops the old remote agents, connects the new ones, and
         forgets the step in progress. Peers whose blob did not change stay connected."""
-        self.connect(epoch, peers)
+        self.connect(epoch, peers, routing)
 
     def mark_peer_lost(self, role: Role | str | int, role_rank: int, reason: str = "") -> bool:
         """The control plane saw a peer die: every wait raises AfdPeerLost from now on (any

@@ -89,7 +89,7 @@ def validate_peers(
     names the first peer that is wrong or missing. ``layout`` is this worker's own."""
     other = role.other
     by_rank: dict[int, Peer] = {}
-    mine = config.shape_fields()
+    mine = config.compared_shape_fields()
     peer_layouts: dict[int, BufferLayout] = {}
     for spec in specs:
         where = f"peer {spec.role.label} rank {spec.role_rank}"

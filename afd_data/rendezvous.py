@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from afd_ctl.client import ControllerClient
 from afd_ctl.routing import Role
 from afd_ctl.v1 import afd_pb2
+from afd_data.errors import AfdBadInput
 
 if TYPE_CHECKING:
     from afd_data.nixl_transport import NixlTransport, PeerSpec
@@ -41,12 +42,18 @@ def peers_from_view(view: afd_pb2.View) -> list[PeerSpec]:
     ]
 
 
+def routing_of(view: afd_pb2.View) -> tuple[int, int, int]:
+    """The view's membership as the transport routes it: (M, N, FFN groups)."""
+    m, n = view.expected_attention, view.expected_ffn
+    return m, n, view.ffn_groups or min(m, n)
+
+
 def join(client: ControllerClient, transport: NixlTransport, timeout_s: float) -> afd_pb2.View:
     """Registers (if not yet), waits for the expected set and connects the transport."""
     client.connect(timeout_s)
     follow_losses(client, transport)
     view = client.wait_complete(timeout_s)
-    transport.connect(view.epoch, peers_from_view(view))
+    transport.connect(view.epoch, peers_from_view(view), routing_of(view))
     log.info("data plane connected to %d peer(s) at epoch %d", len(view.peers), view.epoch)
     return view
 
@@ -56,9 +63,24 @@ def rejoin(client: ControllerClient, transport: NixlTransport, timeout_s: float)
     the one the transport lost a peer in (NIXL may notice a death before the daemon does),
     and reconnects."""
     view = client.wait_complete(timeout_s, after_epoch=transport.epoch or 0)
-    transport.reconnect(view.epoch, peers_from_view(view))
+    transport.reconnect(view.epoch, peers_from_view(view), routing_of(view))
     log.info("data plane reconnected to %d peer(s) at epoch %d", len(view.peers), view.epoch)
     return view
+
+
+def follow_view(transport: NixlTransport, view: afd_pb2.View) -> bool:
+    """Issue 37, a planned change: reconnects to `view` (the epoch `afd-ctl scale` moved to,
+    its routing with it) when it is newer than the transport's; True when it did."""
+    if view.epoch <= (transport.epoch or 0):
+        return False
+    if not view.complete:
+        raise AfdBadInput(
+            f"epoch {view.epoch} is not complete ({view.expected_attention} attention, "
+            f"{view.expected_ffn} ffn expected); reconnect once afd-ctl's view is"
+        )
+    transport.reconnect(view.epoch, peers_from_view(view), routing_of(view))
+    log.info("data plane moved to %d peer(s) at epoch %d", len(view.peers), view.epoch)
+    return True
 
 
 def follow_losses(client: ControllerClient, transport: NixlTransport) -> None:

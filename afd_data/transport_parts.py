@@ -97,9 +97,12 @@ def build_parts(
 ) -> TransportParts:
     """Registers the buffer and wires the parts of ``role``'s transport (rank checked)."""
     count = config.num_attention if role is Role.ATTENTION else config.num_ffn
+    if config.elastic:  # a rank the next membership may route (issue 37)
+        count = config.max_attention if role is Role.ATTENTION else config.max_ffn
     if not 0 <= role_rank < count:
+        field = f"{'max' if config.elastic else 'num'}_{role.label}"
         raise AfdBadInput(
-            f"role_rank {role_rank} is outside 0..{count - 1} (TransportConfig.num_{role.label})"
+            f"role_rank {role_rank} is outside 0..{count - 1} (TransportConfig.{field})"
         )
     layout = BufferLayout(config, role)
     local = LocalAgent(name, role, role_rank, config, layout, device)
@@ -122,9 +125,7 @@ def build_parts(
         role=role,
         role_rank=role_rank,
         config=config,
-        peer_ranks=peer_ranks(
-            role, role_rank, config.num_attention, config.num_ffn, groups=config.ffn_groups
-        ),
+        peer_ranks=routed_peers(config, role, role_rank),
         layout=layout,
         local=local,
         mem=local.mem,
@@ -135,4 +136,15 @@ def build_parts(
         loss=loss,
         queue=queue,
         poller=Poller(name, local.nixl, config, role_rank, inbox, queue, loss),
+    )
+
+
+def routed_peers(config: TransportConfig, role: Role, role_rank: int) -> tuple[int, ...]:
+    """The ranks of the other role that ``config``'s routing gives ``role_rank`` (none for an
+    elastic worker outside that membership: its first connect brings its routing)."""
+    count = config.num_attention if role is Role.ATTENTION else config.num_ffn
+    if config.elastic and role_rank >= count:
+        return ()
+    return peer_ranks(
+        role, role_rank, config.num_attention, config.num_ffn, groups=config.ffn_groups
     )

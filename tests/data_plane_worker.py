@@ -12,11 +12,17 @@ transport's blob, connects to the peers the daemon hands back, the designated at
 publishes each step's payload after sizing its own buffers, and FFN workers size theirs from
 the payload they receive. A loss (from NIXL or from the daemon's PEER_LOST) is survived with
 ``--survive``: wait for the replacement, reconnect at the new epoch, run again.
+
+With ``--follow-scale`` (issue 37) the worker follows `afd-ctl scale`: it registers with the
+capacity of its config (max_attention / max_ffn), the attention side holds between steps when
+asked and reconnects to the epoch the change moves to, the FFN side reconnects when a payload
+of a newer epoch comes, and a worker the change leaves out is RETIRED and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -29,11 +35,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from afd_ctl.client import ControllerClient  # noqa: E402
-from afd_ctl.errors import AfdPeerLost  # noqa: E402  (covers the data plane's too)
+from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdStopped  # noqa: E402  (covers the data plane's too)
 from afd_ctl.membership import WorkerSpec  # noqa: E402
 from afd_ctl.step import Step  # noqa: E402
 from afd_data import NixlTransport, Role, TransportConfig  # noqa: E402
-from afd_data.rendezvous import join, rejoin  # noqa: E402
+from afd_data.rendezvous import follow_view, join, rejoin  # noqa: E402
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -254,6 +260,55 @@ def run_ffn(
     return checked
 
 
+def follow_scale(
+    t: NixlTransport, client: ControllerClient, args: argparse.Namespace, first_step: int
+) -> tuple[int, int]:
+    """Runs steps one at a time, following planned changes, until this worker is retired
+    or stopped (FFN), or --steps steps or the --until-file (attention); returns (steps run,
+    bytes checked). Every step is checked byte for byte in whatever membership it ran in."""
+    checked, done, step = 0, 0, first_step
+    while done < args.steps:
+        try:
+            if t.role is Role.ATTENTION:
+                if args.until_file and Path(args.until_file).exists():
+                    break
+                moved = client.hold(step - 1 if done else 0, args.timeout)
+                if moved is not None and follow_view(t, moved):
+                    emit("connected", epoch=moved.epoch, peers=list(t.peer_ranks))
+                checked += run_attention(t, client, args, t.config, step, 1)
+            else:
+                payload = client.next_payload(args.timeout)
+                if payload.epoch > (t.epoch or 0):
+                    view = client.wait_complete(args.timeout, after_epoch=t.epoch or 0)
+                    follow_view(t, view)
+                    emit("connected", epoch=view.epoch, peers=list(t.peer_ranks))
+                if payload.epoch < (t.epoch or 0):
+                    continue  # a step of an epoch this worker already left
+                step = payload.step_id
+                checked += run_ffn_step(t, args, payload)
+        except AfdStopped as exc:
+            emit("stopped", reason=str(exc))
+            break
+        except AfdControllerUnreachable as exc:
+            if not client.wait_drained(0):
+                raise
+            emit("stopped", reason=str(exc))  # the daemon drains (SIGTERM): the run is over
+            break
+        done += 1
+        step += 1
+    return done, checked
+
+
+def run_ffn_step(t: NixlTransport, args: argparse.Namespace, payload: Any) -> int:
+    """One FFN step of `payload` (run_ffn's body, its step id taken as it comes)."""
+
+    class One:
+        def next_payload(self, timeout_s: float) -> Any:
+            return payload
+
+    return run_ffn(t, One(), args, t.config, payload.step_id, 1)  # type: ignore[arg-type]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--role", required=True)
@@ -276,6 +331,10 @@ def main() -> int:
     )
     p.add_argument("--device", default="cpu", help="cpu (host DRAM) or cuda:N (VRAM)")
     p.add_argument("--hold-s", type=float, default=120.0, help="wait this long for STOP")
+    p.add_argument("--follow-scale", action="store_true", help="follow afd-ctl scale (issue 37)")
+    p.add_argument(
+        "--until-file", default="", help="attention, --follow-scale: stop once it exists"
+    )
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -297,6 +356,10 @@ def main() -> int:
         )
     else:
         spec = WorkerSpec(f"ffn-{args.rank}", "FFN", dp_rank=args.rank, dp_size=cfg.num_ffn)
+    if args.follow_scale:
+        spec = dataclasses.replace(
+            spec, follows_scale=True, max_attention=cfg.max_attention, max_ffn=cfg.max_ffn
+        )
     client = ControllerClient(args.controller, spec, data_plane_blob=t.blob())
     run = run_attention if role is Role.ATTENTION else run_ffn
     checked = 0
@@ -304,6 +367,13 @@ def main() -> int:
         view = join(client, t, timeout_s=60)
         emit("connected", epoch=view.epoch, round=args.round)
         started = time.monotonic()
+        if args.follow_scale:
+            steps, checked = follow_scale(t, client, args, args.round * 1_000_000)
+            emit("done", ok=True, steps=steps, checked_bytes=checked, epoch=t.epoch)
+            if t.role is Role.ATTENTION:
+                client.flush(args.timeout)  # the last payload reaches the daemon first
+                client.wait_drained(args.hold_s)
+            return 0
         try:
             checked += run(t, client, args, cfg, args.round * 1_000_000, args.steps)
         except AfdPeerLost as e:

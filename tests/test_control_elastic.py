@@ -5,8 +5,8 @@ change; leaving workers are retired and exit 0; the hold at each change is repor
 targets and a scale during another change are refused in one line.
 
 The workers are afd_ctl.sim_worker processes: real registrations, payloads and acks, no model
-(vLLM workers do not follow planned changes yet: `afd-ctl scale` refuses them, see
-tests/test_control_scaling.py)."""
+(vLLM workers follow planned changes when sized for them: tests/test_vllm_elastic.py; a
+worker of a fixed size is refused, tests/test_control_scaling.py)."""
 
 from __future__ import annotations
 

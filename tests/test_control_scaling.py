@@ -181,7 +181,7 @@ def test_a_target_a_registered_worker_cannot_follow_is_refused_naming_it():
         with pytest.raises(ControlError, match="attention rank 0 \\(a0\\) cannot follow 2:1"):
             c.scale(2, 1, 0, "x")
         assert "moving to 1:2" in c.scale(1, 2, 0, "fits")
-        # A worker that does not follow planned changes (a vLLM worker today): refused up
+        # A worker that does not follow planned changes (a vLLM worker of a fixed size): refused up
         # front, naming it, instead of a fence that would time out.
         plain = controller()
         plain.open_session(WorkerSpec("v0", ATTENTION), "p")

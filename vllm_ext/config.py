@@ -48,8 +48,16 @@ class AfdConfig:
     profile_start_step: int = 10
     profile_steps: int = 5
     log_level: str = "INFO"
-    # FFN role: this server's FFN rank, below the number of FFN ranks afd-ctl expects.
+    # FFN role: this server's FFN rank, below the number of FFN ranks afd-ctl expects (or,
+    # for a server joining an `afd-ctl scale` target, the target's).
     ffn_rank: int = 0
+    # Issue 37, elastic membership: the most attention and FFN ranks this worker's data plane
+    # is sized for. Either set, the worker follows `afd-ctl scale` (it holds at a change's
+    # fence and reconnects to the new epoch; one the change leaves out exits 0) up to that
+    # size, and a peer joins without reallocating; every worker must say the same. 0 and 0:
+    # a fixed membership, sized exactly, which afd-ctl scale refuses to change.
+    max_attention: int = 0
+    max_ffn: int = 0
     # Where the MoE router gate runs: "ffn" (with the experts) or "attention" (the attention
     # side computes the router logits and sends them with the hidden states). Both roles must
     # say the same; the data plane refuses peers that disagree.
@@ -103,6 +111,8 @@ class AfdConfig:
             raise ValueError(f"afd attention_tp_size must be >= 1, got {self.attention_tp_size}")
         if self.num_stages not in (1, 2):
             raise ValueError(f"afd num_stages must be 1 or 2, got {self.num_stages}")
+        if self.max_attention < 0 or self.max_ffn < 0:
+            raise ValueError("afd max_attention and max_ffn must be >= 0 (0: a fixed membership)")
         if self.ffn_rank < 0:
             raise ValueError(f"afd ffn_rank must be >= 0, got {self.ffn_rank}")
         if self.profile_steps < 1 or self.profile_start_step < 0:
@@ -117,6 +127,11 @@ class AfdConfig:
             )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"afd metrics_port must be in 0..65535, got {self.metrics_port}")
+
+    @property
+    def elastic(self) -> bool:
+        """Sized to follow `afd-ctl scale` (max_attention / max_ffn set)."""
+        return bool(self.max_attention or self.max_ffn)
 
     def describe(self) -> str:
         values = dataclasses.asdict(self) | {"role": self.role.label}

@@ -161,9 +161,13 @@ class StatusQuery:
         self._channel = self._stub = None
 
 
-def expected_counts(access: ControlAccess, timeout_s: float) -> ExpectedCounts:
+def expected_counts(
+    access: ControlAccess, timeout_s: float, *, ffn_rank: int | None = None
+) -> ExpectedCounts:
     """(attention ranks M, FFN ranks N, FFN groups) the daemon expects, waiting for it to
-    answer; wrong credentials fail at once (AfdCredentialsRefused), saying so."""
+    answer; wrong credentials fail at once (AfdCredentialsRefused), saying so. An FFN rank
+    (`ffn_rank`) outside the current membership while an `afd-ctl scale` is in progress joins
+    its target: the target's counts (issue 37)."""
     from afd_ctl.v1 import afd_pb2
 
     started = time.monotonic()
@@ -215,6 +219,16 @@ def expected_counts(access: ControlAccess, timeout_s: float) -> ExpectedCounts:
         query.close()
     counts = {r.role: r.expected for r in status.roles}
     m, n = counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
+    if ffn_rank is not None and ffn_rank >= n and status.HasField("change"):
+        target = status.change.target
+        log.info(
+            "afd: ffn rank %d joins afd-ctl's target %d:%d (%d FFN group(s))",
+            ffn_rank,
+            target.attention,
+            target.ffn,
+            target.ffn_groups,
+        )
+        return ExpectedCounts(target.attention, target.ffn, target.ffn_groups)
     # 0: a daemon older than the field, which routes with min(M, N) groups.
     return ExpectedCounts(m, n, status.ffn_groups or min(m, n))
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vllm_ext.control import ControlAccess
     from vllm_ext.exchange.factory import Exchanges
 
-__all__ = ["ExpectedCounts", "PeerLink", "expected_counts", "model_fingerprint"]
+__all__ = ["ExpectedCounts", "PeerLink", "elastic_spec", "expected_counts", "model_fingerprint"]
 E = TypeVar("E", AttentionExchange, FfnExchange)
 
 
@@ -44,6 +44,16 @@ def model_fingerprint(vllm_config: Any) -> ModelFingerprint:
         num_shared_experts=int(getattr(hf, "n_shared_experts", None) or 0),
         dtype=str(model_config.dtype).removeprefix("torch."),
         weights_digest=model_weights_digest(vllm_config),
+    )
+
+
+def elastic_spec(spec: WorkerSpec, plane: Any, elastic: bool) -> WorkerSpec:
+    """`spec` with what afd-ctl checks an `afd-ctl scale` target against (issue 37): the
+    ranks the data plane was sized for, and whether this worker follows planned changes (it
+    does when sized for them: afd max_attention / max_ffn)."""
+    most_attention, most_ffn = plane.max_counts
+    return dataclasses.replace(
+        spec, max_attention=most_attention, max_ffn=most_ffn, follows_scale=elastic
     )
 
 

@@ -16,7 +16,7 @@ ATTENTION: Role
 FFN: Role
 
 class BufferShape(_message.Message):
-    __slots__ = ("hidden_size", "dtype", "router_width", "router_dtype", "max_tokens_per_peer", "num_stages", "layers_in_flight", "num_attention", "num_ffn", "attention_tp_size", "ffn_groups")
+    __slots__ = ("hidden_size", "dtype", "router_width", "router_dtype", "max_tokens_per_peer", "num_stages", "layers_in_flight", "num_attention", "num_ffn", "attention_tp_size", "ffn_groups", "max_attention", "max_ffn")
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROUTER_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class BufferShape(_message.Message):
     NUM_FFN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     FFN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_FFN_FIELD_NUMBER: _ClassVar[int]
     hidden_size: int
     dtype: str
     router_width: int
@@ -39,7 +41,9 @@ class BufferShape(_message.Message):
     num_ffn: int
     attention_tp_size: int
     ffn_groups: int
-    def __init__(self, hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., router_width: _Optional[int] = ..., router_dtype: _Optional[str] = ..., max_tokens_per_peer: _Optional[int] = ..., num_stages: _Optional[int] = ..., layers_in_flight: _Optional[int] = ..., num_attention: _Optional[int] = ..., num_ffn: _Optional[int] = ..., attention_tp_size: _Optional[int] = ..., ffn_groups: _Optional[int] = ...) -> None: ...
+    max_attention: int
+    max_ffn: int
+    def __init__(self, hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., router_width: _Optional[int] = ..., router_dtype: _Optional[str] = ..., max_tokens_per_peer: _Optional[int] = ..., num_stages: _Optional[int] = ..., layers_in_flight: _Optional[int] = ..., num_attention: _Optional[int] = ..., num_ffn: _Optional[int] = ..., attention_tp_size: _Optional[int] = ..., ffn_groups: _Optional[int] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "length", "device_id")

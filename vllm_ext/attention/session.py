@@ -18,6 +18,7 @@ from afd_ctl.errors import AfdNotReady, AfdTimeout
 from afd_ctl.routing import Role
 from afd_ctl.step import Step
 from vllm_ext import model_split
+from vllm_ext.attention.fence import ScaleFence
 from vllm_ext.attention.steps import AttentionSteps, RankShape, Steps
 from vllm_ext.attention.tp_group import FollowerSteps
 from vllm_ext.config import AfdConfig
@@ -26,7 +27,7 @@ from vllm_ext.exchange.base import AttentionExchange
 from vllm_ext.exchange.data_plane import DataPlane
 from vllm_ext.exchange.factory import Exchanges, attention_exchanges
 from vllm_ext.metrics import AttentionMetrics, worker_files
-from vllm_ext.peer_link import PeerLink, expected_counts
+from vllm_ext.peer_link import PeerLink, elastic_spec, expected_counts
 from vllm_ext.step_profiler import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class AttentionSession:
             self._steps = None
             self.steps = FollowerSteps()
         self._full_graphs: bool | None = None  # a TP follower's: its leader's (set_full_graphs)
+        self._fence: ScaleFence | None = None  # follows afd-ctl scale (issue 37)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -103,6 +105,12 @@ class AttentionSession:
         max_tokens = afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens
         access = ControlAccess.of(afd)
         num_attention, num_ffn, ffn_groups = expected_counts(access, afd.connect_timeout_s)
+        if afd.elastic and self.dp_size > 1:
+            raise ValueError(
+                f"afd max_attention / max_ffn (following afd-ctl scale) need data parallel size "
+                f"1, this server has {self.dp_size} (its DP ranks would hold in different steps)"
+                "; leave them unset (a fixed membership)"
+            )
         if num_attention != self.dp_size:
             raise ValueError(
                 f"afd-ctl expects {num_attention} attention ranks but this server has data "
@@ -127,6 +135,7 @@ class AttentionSession:
             # Two micro-batches per step under vLLM's dual-batch overlap; else the default
             # (AFD_DATA_NUM_STAGES, 1).
             num_stages=2 if self.vllm_config.parallel_config.enable_dbo else None,
+            capacity=(afd.max_attention, afd.max_ffn),
         )
         self.exchanges = attention_exchanges(plane)
         spec = WorkerSpec(
@@ -135,10 +144,13 @@ class AttentionSession:
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
         )
+        spec = elastic_spec(spec, plane, afd.elastic)  # sized for more: it follows a scale
         self._link = PeerLink(
             access, spec, self.exchanges, f"attention rank {self.role_rank}", self.vllm_config
         )
         self.client, self._loss_watch = self._link.client, self._link.loss_watch
+        if afd.elastic:
+            self._fence = ScaleFence(self.client, self.worker_id, afd.connect_timeout_s)
         registered = self._link.register(timeout_s=afd.connect_timeout_s)
         view = self.client.wait_complete(timeout_s=afd.connect_timeout_s)
         self.is_sender = registered.is_sender
@@ -193,6 +205,8 @@ class AttentionSession:
     def publish(self, step: Step) -> None:
         if self.is_sender:
             self.client.publish(step.to_payload())
+            if self._fence is not None:
+                self._fence.published(step.step_id)
 
     def step_opened(self, step_id: int) -> None:
         if self.profiler is not None:
@@ -200,6 +214,8 @@ class AttentionSession:
 
     def step_closed(self) -> None:
         self.metrics.flush()
+        if self._fence is not None:
+            self._fence.step_closed()
 
     def close(self) -> None:
         """Publishes stop (sender only), then leaves the daemon; idempotent."""
@@ -237,6 +253,8 @@ class AttentionSession:
         assert self.client is not None and self._loss_watch is not None
         assert self._link is not None and self.exchanges is not None
         transport = self._link.plane.transport
+        if self._fence is not None:
+            self._follow(self._fence.before_step())
         if self._link.in_step():
             self._loss_watch.reset()
             return
@@ -270,6 +288,27 @@ class AttentionSession:
             self.worker_id,
             len(view.peers),
             view.epoch,
+        )
+
+    def _follow(self, view: Any) -> None:
+        """After a hold (vllm_ext.attention.fence; None: none now, it may have been lifted
+        since the last step fenced): reconnect to the epoch `afd-ctl scale` moved to (its peers
+        and routing). An aborted change or a loss: the usual path of ensure_connected."""
+        assert self._link is not None and self.exchanges is not None
+        if view is None and self._link.plane.transport.lost is None:
+            view = self.client.view
+        if view is None or view.epoch <= self._link.transport_epoch or not view.complete:
+            return
+        self._link.connect(view)
+        self.is_sender = self.client.is_sender
+        self.metrics.connected(view.epoch, reconnect=True, gpu_driven=self.exchanges.gpu_driven)
+        log.info(
+            "afd attention %s: followed afd-ctl scale to %d:%d at epoch %d, %d ffn peer(s)",
+            self.worker_id,
+            view.expected_attention,
+            view.expected_ffn,
+            view.epoch,
+            len(view.peers),
         )
 
     def failed(self, exc: BaseException) -> None:

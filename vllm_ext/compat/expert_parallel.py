@@ -39,6 +39,11 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     ("vllm.model_executor.layers.fused_moe.config", "FusedMoEParallelConfig", ()),
     (_ROUTED, "RoutedExperts.expert_map", ()),
+    (
+        "vllm.model_executor.layers.fused_moe.expert_map_manager",
+        "determine_expert_map",
+        ("ep_size", "ep_rank", "global_num_experts"),
+    ),
 ]
 
 
@@ -107,15 +112,53 @@ def null_slot_routing(
     return topk_weights.masked_fill(elsewhere, 0), ids.to(topk_ids.dtype)
 
 
-def wrap_cpu_kernels(model: Any, wrap_kernel: Callable[[Any, Any], None]) -> int:
+def wrap_cpu_kernels(
+    model: Any, wrap_kernel: Callable[[Any, Any], None], *, masks: bool = False
+) -> int:
     """On CPU, gives every expert-parallel MoE layer's kernel its routing in local ids
-    (`wrap_kernel(layer, expert_map)`, per vLLM line); returns the layers changed."""
+    (`wrap_kernel(layer, expert_map)`, per vLLM line); returns the layers changed. With
+    `masks`, a layer that holds every routed expert gets a map of its own too (identity, kept
+    as `afd_expert_mask`), which `narrow_experts` later narrows in place."""
     if not on_cpu():
         return 0
+    import torch
+
     changed = 0
     for layer in routed_experts_modules(model):
         expert_map = layer.expert_map
+        if expert_map is None and masks:
+            expert_map = getattr(layer, "afd_expert_mask", None)
+            if expert_map is None:
+                count = int(layer.global_num_experts)
+                expert_map = torch.arange(count, dtype=torch.int32)
+                layer.afd_expert_mask = expert_map
         if expert_map is not None:
             wrap_kernel(layer, expert_map)
             changed += 1
     return changed
+
+
+def narrow_experts(model: Any, index: int, count: int) -> int:
+    """Issue 37: an FFN rank that loaded every routed expert computes, from its next step,
+    only vLLM's expert-parallel shard `index` of `count` (linear placement, as the ranks that
+    loaded only their shard hold it); count 1 computes every expert again. Needs the masks of
+    `wrap_cpu_kernels(..., masks=True)` (CPU); returns the layers narrowed."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    narrowed = 0
+    for layer in routed_experts_modules(model):
+        mask = getattr(layer, "afd_expert_mask", None)
+        if mask is None:
+            continue
+        total = mask.shape[0]
+        ids = torch.arange(total, dtype=mask.dtype)
+        if count > 1:
+            _, shard_map, _ = determine_expert_map(
+                ep_size=count, ep_rank=index, global_num_experts=total
+            )
+            assert shard_map is not None
+            ids = torch.where(shard_map >= 0, ids, torch.full_like(ids, -1))
+        mask.copy_(ids)
+        narrowed += 1
+    return narrowed

@@ -72,7 +72,7 @@ def loaded_parameter_names(loaded: set[str]) -> set[str]:
     }
 
 
-def localize_cpu_routing(model: Any) -> int:
+def localize_cpu_routing(model: Any, *, masks: bool = False) -> int:
     """0.26's CPU MoE path (cpu_fused_moe.CPUFusedMOE) routes, then calls its
     `forward_method(layer, x, topk_weights, topk_ids, global_num_experts, ...)`; that call gets
     local ids. Its torch fallback (`forward_torch`, what float32 runs) counts a token once per
@@ -112,4 +112,4 @@ def localize_cpu_routing(model: Any) -> int:
         local_forward.afd_local_routing = True  # type: ignore[attr-defined]
         kernel.forward_method = local_forward
 
-    return expert_parallel.wrap_cpu_kernels(model, wrap)
+    return expert_parallel.wrap_cpu_kernels(model, wrap, masks=masks)

@@ -59,7 +59,7 @@ def loaded_parameter_names(loaded: set[str]) -> set[str]:
     return loaded
 
 
-def localize_cpu_routing(model: Any) -> int:
+def localize_cpu_routing(model: Any, *, masks: bool = False) -> int:
     """0.32's CPU MoE experts (experts/cpu_moe.py) are a modular kernel's `fused_experts`,
     whose `apply(..., topk_weights=, topk_ids=, expert_map=, ...)` ignores the map; that call
     gets local ids."""
@@ -78,4 +78,4 @@ def localize_cpu_routing(model: Any) -> int:
         local_apply.afd_local_routing = True  # type: ignore[attr-defined]
         experts.apply = local_apply
 
-    return expert_parallel.wrap_cpu_kernels(model, wrap)
+    return expert_parallel.wrap_cpu_kernels(model, wrap, masks=masks)

@@ -70,6 +70,7 @@ class DataPlane:
         ffn_groups: int | None = None,
         num_stages: int | None = None,
         device: str | None = None,
+        capacity: tuple[int, int] = (0, 0),
     ) -> None:
         self.role = role
         self.dtype = dtype
@@ -88,11 +89,15 @@ class DataPlane:
             router_width=router[0],
             router_dtype=router[1],
             num_stages=num_stages,
+            # Issue 37, `capacity` (max attention, max FFN ranks): sized for the largest
+            # membership `afd-ctl scale` may move to (0, 0: exactly num_attention:num_ffn);
+            # each connect then takes the view's routing.
+            max_attention=capacity[0] or None,
+            max_ffn=capacity[1] or None,
         )
         self.transport = NixlTransport(
             f"afd-{name}-{time.time_ns()}", role, rank, config, device=device or _device()
         )
-        self.config: TransportConfig = self.transport.config
         self.device: str = self.transport.device
         self.hop: Any = None  # afd_data.gpu_hop.GpuHop where the buffer is CUDA memory
         if self.device != "cpu":
@@ -106,6 +111,19 @@ class DataPlane:
     def path(self) -> str:
         """The exchange path the last connect chose (afd_data.gpu_protocol's GPU or NIXL)."""
         return self.choice.path
+
+    @property
+    def config(self) -> TransportConfig:
+        """The transport's config: its routing is the last connect's (issue 37)."""
+        return self.transport.config
+
+    @property
+    def max_counts(self) -> tuple[int, int]:
+        """(attention, FFN) ranks the buffers are sized for (what a worker registers)."""
+        config = self.transport.config
+        if config.elastic:
+            return config.max_attention, config.max_ffn
+        return config.num_attention, config.num_ffn
 
     @property
     def epoch(self) -> int:
@@ -153,10 +171,10 @@ class DataPlane:
         """Connects to the view's peers and chooses the path to them (the caller drained the
         exchange of the previous connect first). A shape mismatch names the vLLM/AFD settings
         behind it."""
-        from afd_data.rendezvous import peers_from_view
+        from afd_data.rendezvous import peers_from_view, routing_of
 
         try:
-            self.transport.reconnect(view.epoch, peers_from_view(view))
+            self.transport.reconnect(view.epoch, peers_from_view(view), routing_of(view))
         except AfdBadInput as exc:
             if "buffer shape differs" not in str(exc):
                 raise
@@ -169,6 +187,7 @@ class DataPlane:
         if self.hop is None:
             self.choice = PathChoice(NIXL, "this worker's buffer is host memory")
         else:
+            self.hop.config = self.transport.config  # the view's routing (issue 37)
             bound = self.warmup_timeout_s or self.timeout_s
             self.choice = self.hop.connect(view.epoch, peers, bound, self._idle)
         log.info(

@@ -98,7 +98,8 @@ def warm_up(engine: FfnEngine, plane: Any, who: str) -> int:
         return 0
     t0 = time.monotonic()
     config = plane.config
-    max_rows = config.max_tokens_per_peer * config.num_attention
+    attention = config.max_attention if config.elastic else config.num_attention
+    max_rows = config.max_tokens_per_peer * attention
     router_width, router_dtype = config.router_width, plane.router_dtype
     kinds: dict[bool, int] = {}
     for layer in range(engine.num_layers):

@@ -32,11 +32,11 @@ from vllm_ext.exchange.base import FfnExchange
 from vllm_ext.exchange.data_plane import DataPlane
 from vllm_ext.exchange.factory import Exchanges, ffn_exchanges
 from vllm_ext.ffn.engine import warm_up
-from vllm_ext.ffn.stack import ExpertShard, expert_shard
+from vllm_ext.ffn.stack import ExpertShard, expert_shard, serve_shard, view_shard
 from vllm_ext.ffn.steps import FfnSteps
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
-from vllm_ext.peer_link import PeerLink, expected_counts
+from vllm_ext.peer_link import PeerLink, elastic_spec, expected_counts
 
 log = logging.getLogger("vllm_ext.ffn.server")
 
@@ -96,7 +96,8 @@ class FfnWorker:
         afd = self.afd
         hf = self.vllm_config.model_config.hf_config
         access = ControlAccess.of(afd)
-        num_attention, num_ffn, ffn_groups = expected_counts(access, afd.connect_timeout_s)
+        counts = expected_counts(access, afd.connect_timeout_s, ffn_rank=afd.ffn_rank)
+        num_attention, num_ffn, ffn_groups = counts
         if afd.ffn_rank >= num_ffn:
             raise ValueError(
                 f"afd ffn_rank {afd.ffn_rank} but afd-ctl expects {num_ffn} FFN ranks "
@@ -126,10 +127,12 @@ class FfnWorker:
             warmup_timeout_s=afd.warmup_timeout_s,
             router=router_columns(hf, self.vllm_config.model_config.dtype, afd.gate),
             num_stages=afd.num_stages,
+            capacity=(afd.max_attention, afd.max_ffn),
         )
         self._exchanges = ffn_exchanges(plane, self.engine, self.graphs)
         warm_up(self.engine, plane, self.worker_id)
         spec = WorkerSpec(self.worker_id, Role.FFN, dp_rank=afd.ffn_rank, dp_size=num_ffn)
+        spec = elastic_spec(spec, plane, afd.elastic)
         self._link = PeerLink(
             access, spec, self._exchanges, f"ffn rank {afd.ffn_rank}", self.vllm_config
         )
@@ -321,6 +324,7 @@ class FfnWorker:
         me = self._client.role_rank
         self._peers = sorted(r.attention_rank for r in view.routes if me in r.ffn_ranks)
         assert self._link is not None
+        serve_shard(self.engine.stack, view_shard(me, view))  # the experts of its new group
         self._link.connect(view)
         self._metrics.connected(
             view.epoch,

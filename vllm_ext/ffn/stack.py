@@ -57,6 +57,13 @@ class ExpertShard:
         return f"expert shard {self.index} of {self.count}"
 
 
+def can_serve(loaded: ExpertShard, shard: ExpertShard) -> bool:
+    """A rank that loaded `loaded` can compute `shard`: the same one, or (issue 37) any shard
+    0 of a group when it loaded every expert (rank 0 of a group also runs the shared experts
+    and dense MLPs, which it holds)."""
+    return shard == loaded or (loaded.count == 1 and shard.index == 0)
+
+
 class _LayerHolder(nn.Module):
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
@@ -81,6 +88,9 @@ class FfnStack(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.family = family(vllm_config.model_config.hf_config)
         self.shard = shard or ExpertShard()
+        # The shard this rank computes now: its loaded one, or (issue 37) a narrower one of
+        # its loaded experts after `afd-ctl scale` grew its group (`serve_shard`).
+        self.serving = self.shard
         self.config = config
         self.dtype = vllm_config.model_config.dtype
         self.n_routed_experts = self.family.num_routed_experts(config) or 0
@@ -178,6 +188,30 @@ class _GivenLogits:
         return logits, None
 
 
+def serve_shard(stack: FfnStack, shard: ExpertShard) -> None:
+    """Issue 37, between steps: from the next step this rank computes `shard` of the experts
+    (the one a new membership's routing gives it), narrowing its loaded experts. ValueError,
+    saying what to do, when it did not load them."""
+    if shard == stack.serving:
+        return
+    if not can_serve(stack.shard, shard):
+        raise ValueError(
+            f"afd ffn: the membership now needs {shard} of this rank, but it loaded "
+            f"{stack.shard} and cannot compute other experts; restart it (it loads its shard "
+            "of the membership afd-ctl has then)"
+        )
+    seams = compat.seams()
+    if stack.n_routed_experts:
+        if not seams.localize_cpu_routing(stack, masks=True):
+            raise ValueError(
+                f"afd ffn: moving from {stack.serving} to {shard} at run time is done on CPU "
+                "only so far; on GPU restart the FFN servers at the new membership"
+            )
+        seams.narrow_experts(stack, shard.index, shard.count)
+    log.info("afd ffn: now computing %s (loaded %s)", shard, stack.shard)
+    stack.serving = shard
+
+
 def load_ffn_stack(vllm_config: Any, shard: ExpertShard | None = None) -> FfnStack:
     """Builds this rank's FFN half and loads its weights with vLLM's loader (not yet
     post-processed); call under set_current_vllm_config, then `finalize_ffn_stack`.
@@ -242,3 +276,9 @@ def expert_shard(
     min(M, N)); the FFN ranks of one group split the experts."""
     group = routing.ffn_group(ffn_rank, num_attention, num_ffn, groups=groups)
     return ExpertShard(group.index(ffn_rank), len(group))
+
+
+def view_shard(ffn_rank: int, view: Any) -> ExpertShard:
+    """The expert shard of an FFN rank in a control-plane view's membership (issue 37)."""
+    m, n = view.expected_attention, view.expected_ffn
+    return expert_shard(ffn_rank, m, n, groups=view.ffn_groups or None)
