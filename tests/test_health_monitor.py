@@ -65,3 +65,39 @@ def test_only_requests_failed_for_an_afd_step_get_the_afd_reply() -> None:
     for i in range(AfdFailedRequests.KEEP + 10):
         failed.seen(f"cmpl-{i}-0", AFD_STOP_REASON)
     assert not failed.take("cmpl-0") and failed.take(f"cmpl-{AfdFailedRequests.KEEP + 9}")
+
+
+def test_a_late_answer_keeps_serving_for_the_grace_then_says_unreachable(
+    start_daemon, monkeypatch
+) -> None:
+    """afd-ctl frozen (SIGSTOP: the connection is accepted, the answer never comes, as on a
+    host too busy to answer within ASK_TIMEOUT_S): /health keeps afd-ctl's last SERVING answer
+    for LATE_ANSWER_GRACE_S, then says afd-ctl is unreachable. (On a loaded 2-core CI machine one
+    late answer turned /health 503 right after it had turned 200.)"""
+    from vllm_ext.attention import health
+
+    monkeypatch.setattr(health, "LATE_ANSWER_GRACE_S", 2.0)
+    daemon = start_daemon()
+    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION))
+    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
+    attn.connect(10)
+    ffn.connect(10)
+    monitor = AfdSideMonitor(AfdConfig(controller=daemon.address, role="attention"))
+    try:
+        attn.wait_complete(10)
+        assert monitor.problem() is None
+        daemon.signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        problem = None
+        while problem is None:
+            problem = monitor.problem()  # each ask past the cache waits ASK_TIMEOUT_S
+            if problem is None:
+                assert monitor.serving_age_s() < health.LATE_ANSWER_GRACE_S + 1.0
+            assert time.monotonic() - frozen_at < 10, "never said unreachable"
+            time.sleep(0.05)
+        assert "unreachable (DEADLINE_EXCEEDED)" in problem, problem
+        assert time.monotonic() - frozen_at >= health.LATE_ANSWER_GRACE_S - health.CACHE_S
+    finally:
+        daemon.signal(signal.SIGCONT)
+        attn.close(0.5)
+        ffn.close(0.5)

@@ -227,9 +227,17 @@ def test_vllm_serve_default_path_without_enforce_eager(
 ) -> None:
     """The README's recipe as written: no --enforce-eager, so the attention server compiles its
     model (torch.compile) inside its warm-up steps, which take longer than step_timeout_s; the
-    FFN server waits for them with warmup_timeout_s instead of giving up as if the peer died."""
+    FFN server waits for them with warmup_timeout_s instead of giving up as if the peer died.
+    The FFN's stats show it waited longer than the step bound (its longest wait) and still
+    served. The bound is 5 s: below the ~25 s compile (a cold cache of this test's own), above
+    a serving step of a loaded 2-core machine (2 s was not: a 503 at the first request in CI)."""
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    fast_fail = {"AFD_STEP_TIMEOUT_S": "2"}  # well below the compile time
+    step_bound_s = 5.0
+    # A compile cache of this test's own: a cache another run filled would skip the compile.
+    fast_fail = {
+        "AFD_STEP_TIMEOUT_S": str(step_bound_s),
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+    }
     ffn = Proc(
         ffn_argv(tiny_model, daemon.address, eager=False), tmp_path / "ffn.log",
         vllm_env(fast_fail),
@@ -250,3 +258,5 @@ def test_vllm_serve_default_path_without_enforce_eager(
     attention.signal(signal.SIGTERM)
     assert attention.wait(60) == 0, attention.tail()
     assert ffn.wait(30) == 0, ffn.tail()
+    stats = json.loads(ffn.log().rsplit(": stats ", 1)[1].splitlines()[0])
+    assert stats["recv_wait_ms_max"] > 1e3 * step_bound_s, stats  # the compile was waited for

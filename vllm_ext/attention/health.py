@@ -33,6 +33,11 @@ FAILED_REQUESTS = RateLimitedLog(log, "afd: request failed", interval_s=10.0)
 # /health may be polled often: ask afd-ctl at most this often, and wait at most ASK_TIMEOUT_S.
 CACHE_S = 0.5
 ASK_TIMEOUT_S = 0.5
+# A late answer (DEADLINE_EXCEEDED: afd-ctl's host is busy) is not a problem of the set: within
+# this long of afd-ctl's last SERVING answer /health keeps it, so a load balancer does not take
+# a healthy server out for one slow reply. Nothing listening (UNAVAILABLE), a refusal or a NOT
+# SERVING answer still count at once; a loss reaches /health through the failed step anyway.
+LATE_ANSWER_GRACE_S = 5.0
 # After a request failed in the engine, /health is 503 until afd-ctl reports SERVING in a newer
 # epoch (the set changed since: the FFN side is back), or at most this long (a loss only the
 # data plane saw heals by a rejoin, which is a new epoch too).
@@ -143,6 +148,9 @@ class AfdSideMonitor:
         except AfdCredentialsRefused as exc:
             return str(exc)
         except grpc.RpcError as exc:
+            late = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if late and self._problem is None and self.serving_age_s() < LATE_ANSWER_GRACE_S:
+                return None  # the last answer (SERVING) stands; asked again in CACHE_S
             return f"afd-ctl at {self.controller} is unreachable ({exc.code().name})"
         self._epoch = status.epoch
         if status.health == "SERVING":

@@ -30,6 +30,7 @@ class FfnSteps:
         self.two_stage_replays = 0  # ... of them, replays of the attention side's CUDA graph
         # Seconds spent waiting for attention rows, computing, and writing back.
         self.recv_s = self.compute_s = self.send_s = 0.0
+        self.recv_max_s = 0.0  # the longest wait of one step (a warm-up compile, a stall)
         # The same split for each of the last STAT_WINDOW steps (medians: a typical step,
         # which a long profile or prefill step does not skew).
         self._recent: deque[StepSplit] = deque(maxlen=STAT_WINDOW)
@@ -41,6 +42,7 @@ class FfnSteps:
             "two_stage_steps": self.two_stage_steps,
             "two_stage_replays": self.two_stage_replays,
             "recv_wait_ms_per_step": 1e3 * self.recv_s / n,
+            "recv_wait_ms_max": 1e3 * self.recv_max_s,
             "compute_ms_per_step": 1e3 * self.compute_s / n,
             "send_ms_per_step": 1e3 * self.send_s / n,
         }
@@ -58,6 +60,7 @@ class FfnSteps:
         if step.flags.records_only:
             return  # a FULL-graph capture: nothing was served
         self.recv_s += split.recv_s
+        self.recv_max_s = max(self.recv_max_s, split.recv_s)
         self.compute_s += split.compute_s
         self.send_s += split.send_s
         metrics.step(split.compute_s, split.recv_s, step.flags.graph_mode(self.graphs))
