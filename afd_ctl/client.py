@@ -65,6 +65,7 @@ class ControllerClient:
         self._channel = open_channel(target, tls, liveness_timeout_s)
         stub = afd_pb2_grpc.AFDControllerStub(self._channel)
         self._listeners: list[EventListener] = []
+        self._retired = False
         self._view = MembershipView(target)
         self._publisher = Publisher(stub, metadata, spec.worker_id, self._publish_secret)
         register = afd_pb2.RegisterRequest(
@@ -78,6 +79,7 @@ class ControllerClient:
             max_attention=spec.max_attention,
             max_ffn=spec.max_ffn,
             follows_scale=spec.follows_scale,
+            lockstep_size=spec.lockstep_size,
         )
         if spec.model is not None:
             register.model.CopyFrom(afd_pb2.ModelFingerprint(**dataclasses.asdict(spec.model)))
@@ -147,6 +149,11 @@ class ControllerClient:
         """afd-ctl's target has no place for this worker: take no new work, finish what is in
         flight, then call `drained` (an attention worker); RETIRED follows."""
         return self._view.view().leaving
+
+    @property
+    def retired(self) -> bool:
+        """A planned change left this worker out and afd-ctl retired it (RETIRED)."""
+        return self._retired
 
     @property
     def holding(self) -> bool:
@@ -230,6 +237,7 @@ class ControllerClient:
             self._link.hang_up()
         elif event.kind == Kind.RETIRED:
             # A planned change left this worker out (issue 37): done, never registered again.
+            self._retired = True
             self._view.stop(f"retired by afd-ctl: {event.reason}")
             self._link.hang_up()
         elif event.kind in (Kind.STOP, Kind.DAEMON_DRAINING):

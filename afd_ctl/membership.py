@@ -62,6 +62,8 @@ class WorkerSpec:
     # It holds at a fence, drains when leaving and reconnects to a new epoch (issue 37): its
     # loop calls ControllerClient.hold/drained. afd-ctl scale needs every worker to.
     follows_scale: bool = False
+    # Attention ranks that run every step together with this one (its block; 0: all of them).
+    lockstep_size: int = 0
 
     @property
     def role_rank(self) -> int:
@@ -244,6 +246,13 @@ class Membership:
                 f"{expected} {spec.role.lower()} workers the daemon expects ({flag} {expected}, "
                 f"or afd-ctl scale){also}"
             )
+        if spec.role == ATTENTION and spec.lockstep_size:
+            joins = self.topology
+            if self.target is not None and spec.dp_size * spec.tp_size == self.target.attention:
+                joins = self.target
+            problem = joins.lockstep_problem(spec.lockstep_size)
+            if problem is not None:
+                raise ControlError("FAILED_PRECONDITION", f"cannot register: {problem}")
         if len(spec.data_plane_blob) > self.max_blob_bytes:
             raise invalid(
                 f"data_plane_blob is {len(spec.data_plane_blob)} bytes; "

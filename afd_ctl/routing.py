@@ -175,3 +175,21 @@ def max_peers(role: Role, num_attention: int, num_ffn: int, *, groups: int | Non
     g = group_count(num_attention, num_ffn, groups)
     count = num_ffn if role is Role.ATTENTION else num_attention
     return -(-count // g)
+
+
+def lockstep_conflict(
+    num_attention: int, groups: int, lockstep_size: int
+) -> tuple[int, int] | None:
+    """Two attention ranks that would share an FFN group although they are in different
+    lockstep blocks (rank a is in block a // lockstep_size; 0: one block of every rank), or
+    None. An FFN group waits for the hidden states of each of its attention ranks every step,
+    so ranks that do not run their steps together (two `vllm serve` servers) cannot share one."""
+    if lockstep_size <= 0:
+        return None
+    for group in range(min(groups, num_attention)):
+        ranks = range(group, num_attention, groups)
+        first = ranks[0]
+        for other in ranks[1:]:
+            if other // lockstep_size != first // lockstep_size:
+                return first, other
+    return None

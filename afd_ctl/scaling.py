@@ -316,6 +316,9 @@ def check_target(membership: Membership, target: Topology) -> None:
                 "with afd max_attention / max_ffn, README: Elastic membership): restart "
                 f"the deployment at {target.attention}:{target.ffn} instead",
             )
+        problem = target.lockstep_problem(spec.lockstep_size) if worker.role == ATTENTION else None
+        if problem is not None:
+            raise ControlError("INVALID_ARGUMENT", f"cannot scale: {problem}")
         if worker.role == ATTENTION and target.attention % spec.tp_size:
             raise ControlError(
                 "INVALID_ARGUMENT",

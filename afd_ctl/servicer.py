@@ -136,6 +136,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
             max_attention=request.max_attention,
             max_ffn=request.max_ffn,
             follows_scale=request.follows_scale,
+            lockstep_size=request.lockstep_size,
         )
         try:
             session = self.controller.open_session(spec, context.peer())

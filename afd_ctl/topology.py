@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd_ctl.routing import Role, group_count
+from afd_ctl.routing import Role, group_count, lockstep_conflict
 from afd_ctl.v1 import afd_pb2
 
 # Far above any deployment; a typo (--ffn 10000) is refused rather than waited for.
@@ -78,6 +78,25 @@ class Topology:
         return (
             f"{self.attention}:{self.ffn} ({self.groups} ffn group{plural} of "
             f"{self.expert_parallel_size})"
+        )
+
+    def lockstep_problem(self, lockstep_size: int) -> str | None:
+        """Why attention workers that run their steps in blocks of `lockstep_size` ranks
+        cannot serve in this topology (two blocks would share an FFN group), or None."""
+        conflict = lockstep_conflict(self.attention, self.groups, lockstep_size)
+        if conflict is None:
+            return None
+        a, b = conflict
+        alone = "each steps on its own"
+        if lockstep_size > 1:
+            alone = f"they are in different blocks of {lockstep_size} data-parallel ranks"
+        return (
+            f"{self.label} makes attention ranks {a} and {b} share an FFN group, but {alone} "
+            "(rule: attention ranks that share an FFN group run every step together, as the "
+            "data-parallel ranks of one vLLM server do; one `vllm serve --afd-role attention` "
+            "of DP size 1 needs an FFN group of its own): use at least as many FFN groups as "
+            f"attention servers, e.g. --ffn {self.attention * self.expert_parallel_size} with "
+            f"--expert-parallel-size {self.expert_parallel_size}"
         )
 
     def to_proto(self) -> afd_pb2.Topology:

@@ -196,6 +196,46 @@ def test_a_target_a_registered_worker_cannot_follow_is_refused_naming_it():
     run(scenario)
 
 
+def test_attention_servers_that_step_alone_get_an_ffn_group_each():
+    """Independent attention servers (`vllm serve --afd-role attention` of DP size 1: lockstep
+    size 1) cannot share an FFN group, which waits for each of its attention ranks every step:
+    a scale to 2:1 is refused naming the rule (2:2, a group each, is taken), and so is such a
+    server registering into a 2:1 set. One DP=2 server's ranks (lockstep 2) share a group."""
+    from afd_ctl.routing import lockstep_conflict
+
+    assert lockstep_conflict(2, 1, 1) == (0, 1) and lockstep_conflict(2, 2, 1) is None
+    assert lockstep_conflict(2, 1, 2) is None and lockstep_conflict(4, 2, 2) == (0, 2)
+    assert lockstep_conflict(3, 1, 0) is None  # 0: every rank steps with every other
+
+    def scenario() -> None:
+        c = controller()
+        c.open_session(spec("a0", ATTENTION, lockstep_size=1, max_attention=2, max_ffn=2), "p")
+        c.open_session(spec("f0", FFN, max_attention=2, max_ffn=2), "p")
+        with pytest.raises(
+            ControlError, match="rule: attention ranks that share an FFN group"
+        ) as e:
+            c.scale(2, 1, 0, "more load")
+        assert e.value.code == "INVALID_ARGUMENT" and "\n" not in e.value.message
+        assert "2:1 (1 ffn group of 1) makes attention ranks 0 and 1 share" in e.value.message
+        assert "--ffn 2 with --expert-parallel-size 1" in e.value.message
+        assert c.membership.target is None
+        assert "moving to 2:2" in c.scale(2, 2, 0, "a group each")
+
+        shared = controller(2, 1)
+        with pytest.raises(ControlError, match="cannot register: 2:1") as e:
+            shared.open_session(spec("b1", ATTENTION, dp_rank=1, dp_size=2, lockstep_size=1), "p")
+        assert e.value.code == "FAILED_PRECONDITION"
+        dp2 = controller(2, 1)
+        for rank in (0, 1):  # one `vllm serve --data-parallel-size 2`
+            dp2.open_session(
+                spec(f"d{rank}", ATTENTION, dp_rank=rank, dp_size=2, lockstep_size=2), "p"
+            )
+        dp2.open_session(spec("g0", FFN), "p")
+        assert dp2.health == "SERVING"
+
+    run(scenario)
+
+
 def test_one_change_at_a_time_a_scale_back_cancels_and_a_fence_that_stalls_is_given_up():
     def scenario() -> None:
         c = controller(fence_timeout_s=2.0)

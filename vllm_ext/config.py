@@ -51,6 +51,11 @@ class AfdConfig:
     # FFN role: this server's FFN rank, below the number of FFN ranks afd-ctl expects (or,
     # for a server joining an `afd-ctl scale` target, the target's).
     ffn_rank: int = 0
+    # Attention role, a server of data-parallel size 1: its attention rank when several
+    # `vllm serve --afd-role attention` servers (each with its own API, behind a load balancer)
+    # serve one deployment, each with an FFN group of its own; below the attention ranks
+    # afd-ctl expects (or, joining an `afd-ctl scale` target, the target's).
+    attention_rank: int = 0
     # Issue 37, elastic membership: the most attention and FFN ranks this worker's data plane
     # is sized for. Either set, the worker follows `afd-ctl scale` (it holds at a change's
     # fence and reconnects to the new epoch; one the change leaves out exits 0) up to that
@@ -113,8 +118,11 @@ class AfdConfig:
             raise ValueError(f"afd num_stages must be 1 or 2, got {self.num_stages}")
         if self.max_attention < 0 or self.max_ffn < 0:
             raise ValueError("afd max_attention and max_ffn must be >= 0 (0: a fixed membership)")
-        if self.ffn_rank < 0:
-            raise ValueError(f"afd ffn_rank must be >= 0, got {self.ffn_rank}")
+        if self.ffn_rank < 0 or self.attention_rank < 0:
+            raise ValueError(
+                f"afd ffn_rank and attention_rank must be >= 0, got {self.ffn_rank} and "
+                f"{self.attention_rank}"
+            )
         if self.profile_steps < 1 or self.profile_start_step < 0:
             raise ValueError("afd profile_steps must be >= 1 and profile_start_step >= 0")
         if bool(self.tls_client_cert) != bool(self.tls_client_key):

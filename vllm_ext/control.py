@@ -162,12 +162,16 @@ class StatusQuery:
 
 
 def expected_counts(
-    access: ControlAccess, timeout_s: float, *, ffn_rank: int | None = None
+    access: ControlAccess,
+    timeout_s: float,
+    *,
+    ffn_rank: int | None = None,
+    attention_rank: int | None = None,
 ) -> ExpectedCounts:
     """(attention ranks M, FFN ranks N, FFN groups) the daemon expects, waiting for it to
     answer; wrong credentials fail at once (AfdCredentialsRefused), saying so. An FFN rank
-    (`ffn_rank`) outside the current membership while an `afd-ctl scale` is in progress joins
-    its target: the target's counts (issue 37)."""
+    (`ffn_rank`) or attention rank (`attention_rank`) outside the current membership while an
+    `afd-ctl scale` is in progress joins its target: the target's counts (issue 37)."""
     from afd_ctl.v1 import afd_pb2
 
     started = time.monotonic()
@@ -219,11 +223,16 @@ def expected_counts(
         query.close()
     counts = {r.role: r.expected for r in status.roles}
     m, n = counts[afd_pb2.ATTENTION], counts[afd_pb2.FFN]
-    if ffn_rank is not None and ffn_rank >= n and status.HasField("change"):
+    joining = [
+        (label, rank)
+        for label, rank, count in (("ffn", ffn_rank, n), ("attention", attention_rank, m))
+        if rank is not None and rank >= count
+    ]
+    if joining and status.HasField("change"):
         target = status.change.target
         log.info(
-            "afd: ffn rank %d joins afd-ctl's target %d:%d (%d FFN group(s))",
-            ffn_rank,
+            "afd: %s rank %d joins afd-ctl's target %d:%d (%d FFN group(s))",
+            *joining[0],
             target.attention,
             target.ffn,
             target.ffn_groups,

@@ -306,6 +306,11 @@ def _wrap_api_server(afd: AfdConfig) -> None:
     if seams.api_server_patched():
         return
     monitor = health.AfdSideMonitor(afd)
+    if afd.elastic:  # it may be left out of a planned change: drain it then (issue 37)
+        from vllm_ext.attention.leaving import LeaveWatch
+
+        watch = LeaveWatch(afd, monitor)
+        seams.patch_async_llm(watch.wrap_init, watch.wrap_check_model)
     seams.patch_api_server(
         lambda check_health: health.wrap_check_health(check_health, monitor),
         lambda raise_if_error: health.wrap_raise_if_error(raise_if_error, monitor),

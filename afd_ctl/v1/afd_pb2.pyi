@@ -67,7 +67,7 @@ class AFDControlPayload(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., sender_role_rank: _Optional[int] = ..., stages: _Optional[_Mapping[int, DPMetadata]] = ..., is_warmup: _Optional[bool] = ..., is_graph_capturing: _Optional[bool] = ..., is_graph_replaying: _Optional[bool] = ..., is_profile: _Optional[bool] = ..., stop: _Optional[bool] = ..., records_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model", "max_attention", "max_ffn", "follows_scale")
+    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model", "max_attention", "max_ffn", "follows_scale", "lockstep_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class RegisterRequest(_message.Message):
     MAX_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     MAX_FFN_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    LOCKSTEP_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: Role
     dp_rank: int
     dp_size: int
@@ -90,7 +91,8 @@ class RegisterRequest(_message.Message):
     max_attention: int
     max_ffn: int
     follows_scale: bool
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ..., follows_scale: _Optional[bool] = ...) -> None: ...
+    lockstep_size: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ..., follows_scale: _Optional[bool] = ..., lockstep_size: _Optional[int] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("architecture", "num_layers", "hidden_size", "num_routed_experts", "num_shared_experts", "dtype", "weights_digest")

@@ -89,6 +89,8 @@ class AfdSideMonitor:
         self._failed_at = float("-inf")
         self._failed_epoch = 0
         self.failed_requests = AfdFailedRequests()
+        # Set while a planned change leaves this server out (vllm_ext.attention.leaving).
+        self.leaving: str | None = None
 
     def note_failure(self) -> None:
         """A request failed in the engine: /health says so at once (not after the cached
@@ -124,6 +126,9 @@ class AfdSideMonitor:
 
     def problem(self) -> str | None:
         """None when afd-ctl reports SERVING, else why not (blocking, bounded)."""
+        leaving = self.leaving
+        if leaving is not None:
+            return leaving
         with self._lock:
             if time.monotonic() - self._asked_at < CACHE_S:
                 return self._problem

@@ -19,6 +19,8 @@ from afd_ctl.routing import Role
 from afd_ctl.step import Step
 from vllm_ext import model_split
 from vllm_ext.attention.fence import ScaleFence
+from vllm_ext.attention.place import AttentionPlace, worker_id_of
+from vllm_ext.attention.step_failures import failure_reason
 from vllm_ext.attention.steps import AttentionSteps, RankShape, Steps
 from vllm_ext.attention.tp_group import FollowerSteps
 from vllm_ext.config import AfdConfig
@@ -49,8 +51,12 @@ class AttentionSession:
         # for the group; the others take its FFN outputs (vllm_ext.attention.tp_group).
         self.tp_rank: int = _tp_rank() if self.tp_size > 1 else 0
         self.leader = self.tp_rank == 0
-        self.worker_id = _worker_id(
-            afd.worker_id, self.dp_rank, self.dp_size, self.tp_rank, self.tp_size
+        # One server of DP size D holds attention ranks 0..D-1; a server of DP size 1 may be
+        # one of several, at its afd attention_rank (vllm_ext.attention.place).
+        self.role_rank = afd.attention_rank + self.dp_rank
+        self.place: AttentionPlace | None = None  # once afd-ctl said how many ranks it routes
+        self.worker_id = worker_id_of(
+            afd.worker_id, self.role_rank, self.dp_size, self.tp_rank, self.tp_size
         )
         hf = vllm_config.model_config.hf_config
         self.num_layers: int = hf.num_hidden_layers
@@ -104,21 +110,18 @@ class AttentionSession:
         model_config = self.vllm_config.model_config
         max_tokens = afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens
         access = ControlAccess.of(afd)
-        num_attention, num_ffn, ffn_groups = expected_counts(access, afd.connect_timeout_s)
+        num_attention, num_ffn, ffn_groups = expected_counts(
+            access, afd.connect_timeout_s, attention_rank=afd.attention_rank
+        )
         if afd.elastic and self.dp_size > 1:
             raise ValueError(
                 f"afd max_attention / max_ffn (following afd-ctl scale) need data parallel size "
                 f"1, this server has {self.dp_size} (its DP ranks would hold in different steps)"
                 "; leave them unset (a fixed membership)"
             )
-        if num_attention != self.dp_size:
-            raise ValueError(
-                f"afd-ctl expects {num_attention} attention ranks but this server has data "
-                f"parallel size {self.dp_size} (one attention rank per data-parallel rank: TP "
-                f"rank 0 of each TP group of {self.tp_size} exchanges for it); start afd-ctl "
-                f"with --expect-attention {self.dp_size}"
-            )
-        self.role_rank = self.dp_rank
+        self.place = AttentionPlace.of(
+            afd.attention_rank, self.dp_size, self.tp_size, num_attention
+        )
         plane = DataPlane(
             Role.ATTENTION,
             name=self.worker_id,
@@ -141,8 +144,9 @@ class AttentionSession:
         spec = WorkerSpec(
             worker_id=self.worker_id,
             role=Role.ATTENTION,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
+            dp_rank=self.role_rank,
+            dp_size=self.place.registered_size(),
+            lockstep_size=self.place.lockstep_size,
         )
         spec = elastic_spec(spec, plane, afd.elastic)  # sized for more: it follows a scale
         self._link = PeerLink(
@@ -153,7 +157,8 @@ class AttentionSession:
             self._fence = ScaleFence(self.client, self.worker_id, afd.connect_timeout_s)
         registered = self._link.register(timeout_s=afd.connect_timeout_s)
         view = self.client.wait_complete(timeout_s=afd.connect_timeout_s)
-        self.is_sender = registered.is_sender
+        # The view's (a worker that joined a planned change registered before it was routed).
+        self.is_sender = self.client.is_sender
         if registered.worker.role_rank != self.role_rank:
             raise RuntimeError(
                 f"afd-ctl assigned attention rank {registered.worker.role_rank}, the data plane "
@@ -174,7 +179,7 @@ class AttentionSession:
             afd.describe(),
         )
         if afd.profile_dir:
-            self.profiler = StepProfiler(afd, f"attention-{self.dp_rank}")
+            self.profiler = StepProfiler(afd, f"attention-{self.role_rank}")
 
     @property
     def full_graphs(self) -> bool:
@@ -202,6 +207,10 @@ class AttentionSession:
         assert self._link.exchange is not None
         return self._link.exchange
 
+    def across_attention(self, server_counts: list[int]) -> list[int]:
+        assert self.place is not None
+        return self.place.counts(server_counts)
+
     def publish(self, step: Step) -> None:
         if self.is_sender:
             self.client.publish(step.to_payload())
@@ -217,8 +226,19 @@ class AttentionSession:
         if self._fence is not None:
             self._fence.step_closed()
 
+    def say_drained(self) -> bool:
+        """Tells afd-ctl that this leaving server has no request in flight and takes no new
+        one (its API process said so); False when afd-ctl is not asking it to leave."""
+        client = self.client
+        if client is None or not client.leaving:
+            return False
+        client.drained("the API server finished its requests and takes no new ones")
+        log.info("afd attention %s: drained for a planned change", self.worker_id)
+        return True
+
     def close(self) -> None:
-        """Publishes stop (sender only), then leaves the daemon; idempotent."""
+        """Publishes stop (sender only, and not once retired: the others serve on), then
+        leaves the daemon; idempotent."""
         atexit.unregister(self.close)
         with self._lock:
             client, self.client = self.client, None
@@ -227,7 +247,7 @@ class AttentionSession:
             flags = json.dumps(self.steps.flag_counts)
             log.info("afd attention %s: afd attention flags %s", self.worker_id, flags)
             try:
-                if self.is_sender and self._steps is not None:
+                if self.is_sender and self._steps is not None and not client.retired:
                     from afd_ctl.v1 import afd_pb2
 
                     step_id = self._steps.next_step_id()
@@ -282,6 +302,8 @@ class AttentionSession:
             ) from None
         self.client.discard_rejections()  # refusals of payloads from before the reconnect
         self._link.connect(view)
+        assert self.place is not None
+        self.place.num_attention = view.expected_attention
         self.metrics.connected(view.epoch, reconnect=True, gpu_driven=self.exchanges.gpu_driven)
         log.warning(
             "afd attention %s: reconnected to %d ffn peer(s) at epoch %d",
@@ -301,6 +323,8 @@ class AttentionSession:
             return
         self._link.connect(view)
         self.is_sender = self.client.is_sender
+        if self.place is not None:
+            self.place.num_attention = view.expected_attention
         self.metrics.connected(view.epoch, reconnect=True, gpu_driven=self.exchanges.gpu_driven)
         log.info(
             "afd attention %s: followed afd-ctl scale to %d:%d at epoch %d, %d ffn peer(s)",
@@ -313,36 +337,11 @@ class AttentionSession:
 
     def failed(self, exc: BaseException) -> None:
         """Counts a failed step by reason (afd_failed_steps_total)."""
-        from afd_ctl.errors import AfdControllerUnreachable, AfdPeerLost, AfdRejected
-
-        if isinstance(exc, AfdControllerUnreachable) or (
-            self._loss_watch is not None and self._loss_watch.controller_lost
-        ):
-            reason = "controller_unreachable"
-        elif isinstance(exc, AfdPeerLost):
-            reason = "peer_lost"
-        elif isinstance(exc, AfdNotReady):
-            reason = "not_ready"
-        elif isinstance(exc, AfdTimeout):
-            reason = "timeout"
-        elif isinstance(exc, AfdRejected):
-            reason = "rejected"
-        else:
-            reason = "other"
-        self.metrics.failed_step(reason)
+        lost = self._loss_watch is not None and self._loss_watch.controller_lost
+        self.metrics.failed_step(failure_reason(exc, controller_lost=lost))
 
 
 def _tp_rank() -> int:
     from vllm_ext import compat
 
     return compat.seams().tensor_parallel_rank()
-
-
-def _worker_id(base: str, dp_rank: int, dp_size: int, tp_rank: int, tp_size: int) -> str:
-    """ "attention-dp0" by default; a given id gets -dp<r> / -tp<r> when there are several."""
-    worker_id = base or f"attention-dp{dp_rank}"
-    if base and dp_size > 1:
-        worker_id += f"-dp{dp_rank}"
-    if tp_size > 1:
-        worker_id += f"-tp{tp_rank}"
-    return worker_id

@@ -188,3 +188,26 @@ def failing_step(
                 "together yet, so this ends the server)"
             ) from exc
         raise AfdStepFailed(f"{where}: {exc}") from exc
+
+
+def failure_reason(exc: BaseException, *, controller_lost: bool) -> str:
+    """The afd_failed_steps_total reason label of a failed step's exception."""
+    from afd_ctl.errors import (
+        AfdControllerUnreachable,
+        AfdNotReady,
+        AfdPeerLost,
+        AfdRejected,
+        AfdTimeout,
+    )
+
+    if isinstance(exc, AfdControllerUnreachable) or controller_lost:
+        return "controller_unreachable"
+    for kind, reason in (
+        (AfdPeerLost, "peer_lost"),
+        (AfdNotReady, "not_ready"),
+        (AfdTimeout, "timeout"),
+        (AfdRejected, "rejected"),
+    ):
+        if isinstance(exc, kind):
+            return reason
+    return "other"

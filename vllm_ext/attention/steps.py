@@ -38,6 +38,10 @@ class StepLink(Protocol):
         """The exchange to run the next step on, reconnected first when the data plane lost a
         peer or afd-ctl moved on; raises AfdNotReady when there is no FFN side to run on."""
 
+    def across_attention(self, server_counts: list[int]) -> list[int]:
+        """The step's token counts per attention rank afd-ctl routes, from this server's (one
+        per DP rank; vllm_ext.attention.place)."""
+
     def publish(self, step: Step) -> None:
         """Publishes the step's payload (a designated sender only; others do nothing)."""
 
@@ -143,18 +147,21 @@ class AttentionSteps:
         the FFN side captures its graph for the same token counts and runs nothing either."""
         if self._step is not None:
             self._finish_abandoned_step()
-        counts = self._counts(num_tokens, across_dp)
         stage_rows = list(stage_tokens) if stage_tokens else [num_tokens]
         if len(stage_rows) > 2:
             raise RuntimeError(
                 f"afd: {len(stage_rows)} micro-batches in one step; the data plane carries 2"
             )
-        per_stage = [[rows] * len(counts) for rows in stage_rows] if stage_tokens else [counts]
         if full_graph and flags.is_graph_capturing:
             flags = dataclasses.replace(flags, records_only=True)
-        step = Step.of(self.next_step_id(), per_stage, flags=flags)
-        with self._failing(step.step_id):
+        step_id = self.next_step_id()
+        with self._failing(step_id):
+            # Reconnected first (a loss, or a planned change to a new membership), so that
+            # the counts name the attention ranks of the epoch the step runs in.
             exchange = self.link.exchange_for_step()
+            counts = self._counts(num_tokens, across_dp)
+            per_stage = [[rows] * len(counts) for rows in stage_rows] if stage_tokens else [counts]
+            step = Step.of(step_id, per_stage, flags=flags)
             if step.flags.records_only and not exchange.full_graphs:
                 raise RuntimeError(
                     "afd: vLLM captures a FULL CUDA graph but the exchange is host-driven "
@@ -235,7 +242,7 @@ class AttentionSteps:
     def _counts(self, num_tokens: int, across_dp: list[int] | None) -> list[int]:
         dp_rank, dp_size = self.rank.dp_rank, self.rank.dp_size
         if dp_size == 1:
-            return [num_tokens]
+            return self.link.across_attention([num_tokens])
         if across_dp is None or len(across_dp) != dp_size:
             raise RuntimeError(
                 f"afd: attention DP {dp_size} but vLLM gave no per-rank token counts "
@@ -246,7 +253,7 @@ class AttentionSteps:
                 f"afd: DP rank {dp_rank} runs {num_tokens} rows but vLLM's per-rank counts say "
                 f"{across_dp}"
             )
-        return across_dp
+        return self.link.across_attention(across_dp)
 
     def exchange(
         self,

@@ -205,6 +205,14 @@ class AfdAttentionWorker(_BaseWorker):
         session = getattr(runner, "_afd_session", None)
         return session.stats() if session is not None else {}
 
+    def afd_drained(self) -> bool:
+        """The API process has no request left and takes no new one while a planned change
+        leaves this server out (`AsyncLLM.collective_rpc("afd_drained")`,
+        vllm_ext.attention.leaving): tells afd-ctl. False when it is not leaving."""
+        runner = getattr(self, "model_runner", None)
+        session = getattr(runner, "_afd_session", None)
+        return session.say_drained() if session is not None else False
+
     def afd_stop(self) -> None:
         """Publishes stop and leaves afd-ctl (idempotent); vLLM's engine core calls it first."""
         runner = getattr(self, "model_runner", None)

@@ -8,8 +8,12 @@ because the FFN side is down must be a 503 that says so (a streamed one an error
 is where the API process sees why the engine failed a request (its stop_reason), and by which
 id the API server knows it: only an AFD failure gets AFD's reply (another error, such as a
 prompt's KV cache a prefill server could not hand over, stays vLLM's own).
-Upstream change that makes it unnecessary: a plugin health-check hook, and a typed request
-error a worker can raise that the OpenAI server maps to 503 with its message.
+`AsyncLLM.__init__` / `collective_rpc`, `BaseServing._check_model` and the output processor's count of
+unfinished requests: an attention server that `afd-ctl scale` leaves out stops taking requests,
+finishes its own and says so (vllm_ext.attention.leaving).
+Upstream change that makes it unnecessary: a plugin health-check hook, a typed request
+error a worker can raise that the OpenAI server maps to 503 with its message, and a drain
+(stop admitting, finish, report) API for the server.
 Remove when: every supported line has both.
 """
 
@@ -42,6 +46,17 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
         "OutputProcessor.process_outputs",
         ("self", "engine_core_outputs"),
     ),
+    # An attention server a planned change leaves out (vllm_ext.attention.leaving): its API
+    # process refuses new requests, counts those left, and asks its workers to say `drained`.
+    ("vllm.v1.engine.async_llm", "AsyncLLM.__init__", ("self",)),
+    ("vllm.entrypoints.serve.engine.serving", "BaseServing._check_model", ("self", "request")),
+    (
+        "vllm.entrypoints.serve.engine.serving",
+        "BaseServing.create_error_response",
+        ("message", "err_type", "status_code"),
+    ),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", ("self", "method")),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.get_num_unfinished_requests", ("self",)),
 ]
 
 
@@ -110,3 +125,24 @@ def patch_api_server(
     GenerateBaseServing._convert_generation_error_to_streaming_response = wrap_streaming_error(
         GenerateBaseServing._convert_generation_error_to_streaming_response
     )
+
+
+def unfinished_requests(engine: Any) -> int:
+    """Requests the API process of AsyncLLM `engine` has not seen finish (queued or running)."""
+    return int(engine.output_processor.get_num_unfinished_requests())
+
+
+def patch_async_llm(
+    wrap_init: Callable[[Any], Any], wrap_check_model: Callable[[Any], Any]
+) -> None:
+    """AsyncLLM.__init__ and BaseServing._check_model (the first check of every OpenAI request,
+    which may answer with an error response instead) become wrap_...(vLLM's method), once."""
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
+    AsyncLLM, _ = api_server_classes()  # noqa: N806
+    if getattr(BaseServing._check_model, _PATCHED, False):
+        return
+    AsyncLLM.__init__ = wrap_init(AsyncLLM.__init__)
+    check_model = wrap_check_model(BaseServing._check_model)
+    setattr(check_model, _PATCHED, True)
+    BaseServing._check_model = check_model
