@@ -239,7 +239,16 @@ class Membership:
         flag = "--expect-attention" if spec.role == ATTENTION else "--expect-ffn"
         # A worker may also register for the target of a change in progress (issue 37).
         target = self.target.count(spec.role) if self.target is not None else expected
-        if spec.dp_size * spec.tp_size not in (expected, target):
+        if spec.follows_scale:
+            # Its size at start-up says nothing after a planned change (issue 37): a worker that
+            # registers again (a rejoin, a restarted daemon) is checked by its rank alone.
+            if spec.role_rank >= max(expected, target):
+                raise invalid(
+                    f"{spec.role.lower()} rank {spec.role_rank} is not below the {expected} "
+                    f"{spec.role.lower()} workers the daemon expects ({flag} {expected}, or "
+                    "afd-ctl scale to more)"
+                )
+        elif spec.dp_size * spec.tp_size not in (expected, target):
             also = f", nor the {target} of the scale in progress" if target != expected else ""
             raise invalid(
                 f"dp_size*tp_size = {spec.dp_size}*{spec.tp_size} does not match the "

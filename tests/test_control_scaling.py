@@ -236,6 +236,24 @@ def test_attention_servers_that_step_alone_get_an_ffn_group_each():
     run(scenario)
 
 
+def test_a_worker_that_followed_a_change_registers_again_by_its_rank():
+    """A worker registered at 1:1 (its dp_size 1) that followed a scale to 2:2 registers again
+    (a rejoin after a loss only its data plane saw, or a restarted daemon told the new size):
+    its rank is checked, not the size it started with. One beyond the membership is refused."""
+
+    def scenario() -> None:
+        c = controller(2, 2)
+        c.open_session(spec("a1", ATTENTION, dp_rank=1, dp_size=2, lockstep_size=1), "p")
+        c.open_session(spec("f0", FFN, dp_rank=0, dp_size=2), "p")
+        c.open_session(spec("f1", FFN, dp_rank=1, dp_size=2), "p")
+        c.open_session(spec("a0", ATTENTION, lockstep_size=1), "p")  # started at 1:1
+        assert c.health == "SERVING"
+        with pytest.raises(ControlError, match="attention rank 2 is not below the 2"):
+            c.open_session(spec("a2", ATTENTION, dp_rank=2, dp_size=3, lockstep_size=1), "p")
+
+    run(scenario)
+
+
 def test_one_change_at_a_time_a_scale_back_cancels_and_a_fence_that_stalls_is_given_up():
     def scenario() -> None:
         c = controller(fence_timeout_s=2.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl (with kustomize v5) is not installed"
 )
 
-OVERLAYS = ["base", "overlays/m-n", "overlays/tls", "overlays/cpu-ci", "overlays/pd"]
+OVERLAYS = [
+    "base", "overlays/m-n", "overlays/tls", "overlays/cpu-ci", "overlays/pd", "overlays/elastic",
+]  # fmt: skip
 
 
 def validate(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -49,7 +52,9 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
 def test_overlay_renders_and_validates(overlay: str, tmp_path: Path) -> None:
     docs = render(overlay)
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
-    for want in ["Deployment/afd-attention", "Deployment/afd-ctl", "Service/afd-attention",
+    # overlays/elastic runs the attention servers as a StatefulSet (a rank per pod).
+    attention = "StatefulSet" if overlay == "overlays/elastic" else "Deployment"
+    for want in [f"{attention}/afd-attention", "Deployment/afd-ctl", "Service/afd-attention",
                  "Service/afd-ctl", "Service/afd-ffn", "StatefulSet/afd-ffn",
                  "NetworkPolicy/afd-ctl", "NetworkPolicy/afd-attention",
                  "NetworkPolicy/afd-ffn"]:  # fmt: skip
@@ -108,6 +113,32 @@ def test_m_n_overlay_agrees_on_m_and_n() -> None:
         int(ctl["AFD_CTL_EXPECT_FFN"]) == find(docs, "StatefulSet", "afd-ffn")["spec"]["replicas"]
     )
     assert attention["resources"]["limits"]["nvidia.com/gpu"] == dp
+
+
+def test_elastic_overlay_gives_each_pod_its_rank_and_every_server_the_same_capacity() -> None:
+    """overlays/elastic: attention pod afd-attention-K is attention rank K (a StatefulSet, as
+    the FFN side is), every vLLM server's data plane is sized for the same largest membership
+    (afd-ctl scale refuses a target past it), afd-ctl starts at 1 : 1, and a leaving attention
+    pod has time to finish its requests before it is killed."""
+    docs = render("overlays/elastic")
+    sts = find(docs, "StatefulSet", "afd-attention")
+    assert "strategy" not in sts["spec"] and sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 300
+    attention = env_of(sts["spec"]["template"]["spec"]["containers"][0])
+    index = {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert attention["AFD_ATTENTION_RANK"] == index
+    ffn = env_of(container(docs, "StatefulSet", "afd-ffn"))
+    assert ffn["AFD_FFN_RANK"] == index
+    for key in ("AFD_MAX_ATTENTION", "AFD_MAX_FFN"):
+        assert attention[key] == ffn[key] and int(attention[key]) >= 2, key
+    ctl = env_of(container(docs, "Deployment", "afd-ctl"))
+    assert ctl.get("AFD_CTL_EXPECT_ATTENTION", "1") == ctl.get("AFD_CTL_EXPECT_FFN", "1") == "1"
+    assert "--data-parallel-size" not in sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    # The settings the servers read (the env names are AfdConfig's keys).
+    from vllm_ext.config import AfdConfig
+
+    keys = {f.name for f in dataclasses.fields(AfdConfig)}
+    assert {"attention_rank", "max_attention", "max_ffn", "ffn_rank"} <= keys
 
 
 def test_pd_overlay_wires_prefill_router_and_the_afd_decode_side() -> None:
@@ -256,6 +287,8 @@ def test_pods_run_unprivileged_with_requests(overlay: str) -> None:
     requests (not BestEffort)."""
     docs = render(overlay)
     for kind, name in WORKLOADS:
+        if overlay == "overlays/elastic" and name == "afd-attention":
+            kind = "StatefulSet"
         spec = find(docs, kind, name)["spec"]["template"]["spec"]
         assert spec["automountServiceAccountToken"] is False, name
         pod = spec["securityContext"]
