@@ -39,8 +39,7 @@ class StepLink(Protocol):
         peer or afd-ctl moved on; raises AfdNotReady when there is no FFN side to run on."""
 
     def across_attention(self, server_counts: list[int]) -> list[int]:
-        """The step's token counts per attention rank afd-ctl routes, from this server's (one
-        per DP rank; vllm_ext.attention.place)."""
+        """Counts per routed attention rank from this server's (vllm_ext.attention.place)."""
 
     def publish(self, step: Step) -> None:
         """Publishes the step's payload (a designated sender only; others do nothing)."""
@@ -156,8 +155,7 @@ class AttentionSteps:
             flags = dataclasses.replace(flags, records_only=True)
         step_id = self.next_step_id()
         with self._failing(step_id):
-            # Reconnected first (a loss, or a planned change to a new membership), so that
-            # the counts name the attention ranks of the epoch the step runs in.
+            # Reconnected first (a loss, a planned change): counts of the step's epoch.
             exchange = self.link.exchange_for_step()
             counts = self._counts(num_tokens, across_dp)
             per_stage = [[rows] * len(counts) for rows in stage_rows] if stage_tokens else [counts]
