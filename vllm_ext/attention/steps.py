@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -52,7 +51,7 @@ class StepLink(Protocol):
     def step_closed(self) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RankShape:
     """What the step machine needs to know of its rank and model."""
 
