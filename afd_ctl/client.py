@@ -80,6 +80,7 @@ class ControllerClient:
             max_ffn=spec.max_ffn,
             follows_scale=spec.follows_scale,
             lockstep_size=spec.lockstep_size,
+            step_socket=spec.step_socket,
         )
         if spec.model is not None:
             register.model.CopyFrom(afd_pb2.ModelFingerprint(**dataclasses.asdict(spec.model)))
@@ -266,6 +267,16 @@ class ControllerClient:
         AfdStopped (exit cleanly), AfdPeerLost (call wait_complete, reconnect the data plane),
         AfdControllerUnreachable (the client is reconnecting), AfdTimeout (nothing came)."""
         return self._view.next_payload(timeout_s)
+
+    def poll_payload(self) -> afd_pb2.AFDControlPayload | None:
+        """The next payload if one is already here (or the typed error in its place), else None;
+        never waits. `on_inbound(callback)` says when to look again."""
+        return self._view.poll_payload()
+
+    def on_inbound(self, callback: Callable[[], None] | None) -> None:
+        """`callback` runs (on the session's thread) each time something is queued for
+        next_payload / poll_payload: a payload, a loss, a stop."""
+        self._view.on_inbound = callback
 
     # -- attention side ------------------------------------------------------------------
     def publish(self, payload: afd_pb2.AFDControlPayload, *, stamp: bool = True) -> None:

@@ -28,6 +28,7 @@ def worker_info(worker: Worker) -> afd_pb2.WorkerInfo:
         tp_size=spec.tp_size,
         peer=worker.peer,
         registered_at_s=worker.registered_at_s,
+        step_socket=spec.step_socket,
     )
 
 

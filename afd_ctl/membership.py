@@ -16,6 +16,7 @@ import unicodedata
 from dataclasses import dataclass, field
 
 from afd_ctl import routing
+from afd_ctl.direct import socket_problem
 from afd_ctl.errors import ControlError, invalid
 from afd_ctl.fingerprint import ModelFingerprint
 from afd_ctl.logs import UNPRINTABLE
@@ -64,6 +65,8 @@ class WorkerSpec:
     follows_scale: bool = False
     # Attention ranks that run every step together with this one (its block; 0: all of them).
     lockstep_size: int = 0
+    # Where it takes or sends step payloads directly on its host (afd_ctl.direct; "": none).
+    step_socket: str = ""
 
     @property
     def role_rank(self) -> int:
@@ -167,10 +170,7 @@ class Membership:
         return self._by_slot.get((role, role_rank))
 
     def find(self, worker_id: str) -> Worker | None:
-        for worker in self._by_slot.values():
-            if worker.worker_id == worker_id:
-                return worker
-        return None
+        return next((w for w in self._by_slot.values() if w.worker_id == worker_id), None)
 
     @property
     def attention_dp_size(self) -> int:
@@ -229,6 +229,8 @@ class Membership:
                 f"worker_id has a control or invisible character (U+{ord(spec.worker_id[bad]):04X} "
                 f"at index {bad}): use printable characters only, so one id cannot pass for another"
             )
+        if (problem := socket_problem(spec.step_socket)) is not None:
+            raise invalid(f"step_socket {spec.step_socket[:120]!r} {problem}")
         if spec.dp_size < 1 or spec.tp_size < 1:
             raise invalid(f"dp_size and tp_size must be >= 1, got {spec.dp_size}, {spec.tp_size}")
         if spec.dp_rank >= spec.dp_size:

@@ -48,6 +48,15 @@ class MembershipView:
         self._was_complete = False
         # Epoch of the last complete view handed to the caller by wait_complete().
         self._acknowledged_epoch = 0
+        # Called after anything is queued for next_payload (a reader that also waits on
+        # something else, vllm_ext.ffn.payloads, wakes on it).
+        self.on_inbound: Callable[[], None] | None = None
+
+    def _put(self, item: Inbound) -> None:
+        self._payloads.put(item)
+        wake = self.on_inbound
+        if wake is not None:
+            wake()
 
     # -- fed by the session link (each call takes the lock) -----------------------------
     def on_registered(self, registered: afd_pb2.Registered) -> bool:
@@ -73,27 +82,27 @@ class MembershipView:
                     f"{event.view.epoch}, waiting for a replacement",
                     epoch=event.view.epoch,
                 )
-                self._payloads.put(self._lost)
+                self._put(self._lost)
             if event.kind in (Kind.STOP, Kind.DAEMON_DRAINING):
                 self._drained = True
             self._note_view()
             self.cond.notify_all()
 
     def on_payload(self, payload: afd_pb2.AFDControlPayload) -> None:
-        self._payloads.put(payload)
+        self._put(payload)
 
     def on_unreachable(self, error: AfdControllerUnreachable, *, was_registered: bool) -> None:
         """The session broke (or never came up); a registered worker's reader hears of it."""
         with self.cond:
             self.unreachable = error
             if was_registered:
-                self._payloads.put(error)
+                self._put(error)
             self.cond.notify_all()
 
     def on_fatal(self, error: AfdError) -> None:
         with self.cond:
             self.fatal = error
-            self._payloads.put(error)  # wakes a reader blocked in next_payload
+            self._put(error)  # wakes a reader blocked in next_payload
             self.cond.notify_all()
 
     def stop(self, reason: str) -> bool:
@@ -102,7 +111,7 @@ class MembershipView:
             if self.stopped is not None:
                 return False
             self.stopped = AfdStopped(reason)
-            self._payloads.put(self.stopped)
+            self._put(self.stopped)
             self.cond.notify_all()
         log.info("stopped: %s", reason)
         return True
@@ -261,6 +270,20 @@ class MembershipView:
                         f"no payload from afd-ctl within {timeout_s:.3f} s "
                         f"(epoch {self.current.epoch if self.current else '-'})"
                     ) from None
+            if self._is_history(item):
+                continue
+            if isinstance(item, AfdError):
+                raise item
+            return item
+
+    def poll_payload(self) -> afd_pb2.AFDControlPayload | None:
+        """The next payload if one is queued (never waits, checks no condition), or the typed
+        error queued in its place; None when nothing is."""
+        while True:
+            try:
+                item = self._payloads.get_nowait()
+            except queue.Empty:
+                return None
             if self._is_history(item):
                 continue
             if isinstance(item, AfdError):

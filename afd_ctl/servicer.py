@@ -137,6 +137,7 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
             max_ffn=request.max_ffn,
             follows_scale=request.follows_scale,
             lockstep_size=request.lockstep_size,
+            step_socket=request.step_socket,
         )
         try:
             session = self.controller.open_session(spec, context.peer())

@@ -12,7 +12,9 @@ refuses the run, naming it; everything else decode_runner refuses stays refused.
 
 `--part` picks the parts (default `colocated,afd`): `afd_dbo` is an AFD pair whose attention
 engine runs dual-batch overlap (`--enable-dbo`, vLLM's decode threshold), GPU only (vLLM's
-micro-batching needs CUDA). Every later part is compared with every earlier one
+micro-batching needs CUDA); `afd_relay` is the AFD pair with `AFD_DIRECT_PAYLOADS=0` (each step
+payload reaches the FFN server through afd-ctl's relay only, as before afd_ctl.direct), so
+`--part afd_relay,afd` measures the direct path in one call. Every later part is compared with every earlier one
 (`ratio_tpot_afd_dbo_vs_afd`, `ratio_tpot_afd_dbo_vs_colocated`, ...). One H200 holds two
 V3-shaped engines of 3 layers, not three: there, `colocated,afd_dbo` and `afd,afd_dbo` are two
 calls.
@@ -62,7 +64,10 @@ def _runner(
     ]  # fmt: skip
 
 
-INTERLEAVED_PARTS = ("colocated", "afd", "afd_dbo")
+INTERLEAVED_PARTS = ("colocated", "afd", "afd_relay", "afd_dbo")
+AFD_PARTS = INTERLEAVED_PARTS[1:]
+# The afd_relay part: step payloads through afd-ctl's relay only (no direct copy on the host).
+RELAY_ONLY = {"AFD_DIRECT_PAYLOADS": "0"}
 
 
 def parts_of(args: argparse.Namespace) -> list[str]:
@@ -122,15 +127,20 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
                             "--expect-attention", "1", "--expect-ffn", "1")  # fmt: skip
             procs.append(daemon)
             part_timeline = str(timeline_dir / part)
+            part_env = {**env, "AFD_TIMELINE_DIR": part_timeline}
+            if part == "afd_relay":
+                part_env.update(RELAY_ONLY)
             ffn_log = tmp / f"ffn-{part}-{depth}.log"
             if args.gpu:
                 argv = [
                     sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
                     "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags,
                 ]  # fmt: skip
-                procs.append(Proc(argv, ffn_log, {**env, "AFD_TIMELINE_DIR": part_timeline}))
+                procs.append(Proc(argv, ffn_log, part_env))
             else:
                 ffn_env = {**vllm_env(), "AFD_TIMELINE_DIR": part_timeline}
+                if part == "afd_relay":
+                    ffn_env.update(RELAY_ONLY)
                 procs.append(Proc(ffn_argv(model, daemon.address, *ffn_flags), ffn_log, ffn_env))
             kwargs = dict(attn_kwargs)
             if part == "afd_dbo":  # dual-batch overlap from vLLM's decode threshold on
@@ -138,8 +148,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             attention = Proc(
                 _runner(args, model, kwargs, *runner_extra, "--afd-controller", daemon.address,
                         "--ffn-log", str(ffn_log)),
-                tmp / f"{part}-{depth}.log", {**env, "AFD_TIMELINE_DIR": part_timeline},
-                stdin_pipe=True,
+                tmp / f"{part}-{depth}.log", part_env, stdin_pipe=True,
             )  # fmt: skip
             procs.append(attention)
             return attention
@@ -218,7 +227,7 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
             if run["reports"][p].get("retried_repeats"):
                 rows[f"{p}_retried_repeats"] = run["reports"][p]["retried_repeats"]
         result[f"layers_{depth}"] = rows
-    afd_parts = [p for p in ("afd", "afd_dbo") if all(p in r["tpot_ms"] for r in depths.values())]
+    afd_parts = [p for p in AFD_PARTS if all(p in r["tpot_ms"] for r in depths.values())]
     colocated_in_all = all("colocated" in r["tpot_ms"] for r in depths.values())
     if len(depths) >= 2 and colocated_in_all:
         for p in afd_parts:

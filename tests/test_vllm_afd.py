@@ -136,6 +136,8 @@ def test_afd_1_attention_1_ffn_matches_colocated(
     # The per-role torch profiler switch, through the environment, on both roles.
     traces = tmp_path / "traces"
     profile = {"AFD_PROFILE_DIR": str(traces), "AFD_PROFILE_START_STEP": "4"}
+    # Step payloads straight from the attention side too (on GPU by default; here, on).
+    profile["AFD_DIRECT_PAYLOADS"] = "on"
     ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=profile)
     attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=profile)
     report = attention.json_report(timeout=300)
@@ -148,6 +150,11 @@ def test_afd_1_attention_1_ffn_matches_colocated(
     # The attention side's stop ends the FFN server cleanly.
     assert ffn.wait(30) == 0, ffn.tail()
     assert "afd ffn" in ffn.log() and "exiting after" in ffn.log(), ffn.tail()
+    # Most step payloads came straight from the attention side on this host (afd_ctl.direct);
+    # afd-ctl relayed each of them too, and each ran once.
+    ffn_stats = json.loads(ffn.log().split(": stats ", 1)[1].splitlines()[0])
+    taken = ffn_stats["payloads_direct"] + ffn_stats["payloads_relayed"]
+    assert ffn_stats["payloads_direct"] > taken // 2 and taken == ffn_stats["steps"], ffn_stats
     written = sorted(p.name.split("-")[1] for p in traces.glob("afd-*.json"))
     assert written == ["attention", "ffn"], written
 

@@ -14,6 +14,7 @@ from afd_ctl.routing import Role
 
 ROLES = tuple(role.label for role in Role)  # as --afd-role spells them
 GATE_SIDES = ("ffn", "attention")
+DIRECT_PAYLOADS = ("auto", "on", "off")
 ENV_PREFIX = "AFD_"
 # Keys accepted under additional_config["afd"]; each is also AFD_<KEY> in the environment.
 
@@ -95,6 +96,13 @@ class AfdConfig:
     weights_digest: str = "content"
     # Where shard digests are cached by file identity; empty: ~/.cache/afd-ctl/weights-digest.
     weights_digest_cache: str = ""
+    # Step payloads also straight from the attention sender to its FFN workers on the same host
+    # (afd_ctl.direct: a Unix datagram, no daemon hop); afd-ctl relays and checks each one all
+    # the same. "auto": where the data plane runs the GPU-driven exchange (the FFN host only
+    # enqueues each step, so an earlier payload is all gain; on the host-driven path it only
+    # makes the FFN host poll for rows longer, which on a CPU machine of few cores slows the
+    # attention side); "on": on either path; "off": the relay only.
+    direct_payloads: str = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -132,6 +140,12 @@ class AfdConfig:
         if self.weights_digest not in ("content", "headers"):
             raise ValueError(
                 f"afd weights_digest must be content or headers, got {self.weights_digest!r}"
+            )
+        if isinstance(self.direct_payloads, bool):  # JSON true / false
+            object.__setattr__(self, "direct_payloads", "on" if self.direct_payloads else "off")
+        if self.direct_payloads not in DIRECT_PAYLOADS:
+            raise ValueError(
+                f"afd direct_payloads must be one of {DIRECT_PAYLOADS}, got {self.direct_payloads!r}"
             )
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"afd metrics_port must be in 0..65535, got {self.metrics_port}")

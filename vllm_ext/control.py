@@ -67,6 +67,9 @@ class ControlAccess:
     # At start-up: connection refused (or a name that does not resolve) on every try this
     # long ends the wait for afd-ctl before connect_timeout_s (`expected_counts`).
     refused_timeout_s: float = 5.0
+    # Step payloads also straight between the sender and its FFN workers on this host (afd
+    # direct_payloads: "auto" on the GPU-driven path, "on", "off").
+    direct_payloads: str = "off"
 
     @classmethod
     def of(cls, afd: AfdConfig) -> ControlAccess:
@@ -83,7 +86,8 @@ class ControlAccess:
             )
         else:
             tls = ClientTls.from_env()
-        return cls(afd.controller, tls, _token(afd.auth_token_file), afd.refused_timeout_s)
+        token = _token(afd.auth_token_file)
+        return cls(afd.controller, tls, token, afd.refused_timeout_s, afd.direct_payloads)
 
     def describe(self) -> str:
         """For a log line: how afd-ctl is reached, without the token."""

@@ -10,9 +10,12 @@ when a payload or a loss says so); this module is the *how* that both share.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from afd_ctl import direct
 from afd_ctl.fingerprint import ModelFingerprint
+from afd_ctl.routing import Role
 from vllm_ext.control import ExpectedCounts, expected_counts
 from vllm_ext.exchange.base import AttentionExchange, FfnExchange
 from vllm_ext.exchange.timing import ExchangeTimings
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
     from vllm_ext.control import ControlAccess
     from vllm_ext.exchange.factory import Exchanges
 
+log = logging.getLogger(__name__)
 __all__ = ["ExpectedCounts", "PeerLink", "elastic_spec", "expected_counts", "model_fingerprint"]
 E = TypeVar("E", AttentionExchange, FfnExchange)
 
@@ -76,6 +80,19 @@ class PeerLink(Generic[E]):
         if vllm_config is not None and spec.model is None:
             # afd-ctl refuses a peer of another model at registration, naming both sides.
             spec = dataclasses.replace(spec, model=model_fingerprint(vllm_config))
+        # Step payloads straight between the sender and its FFN workers on this host
+        # (afd_ctl.direct): the attention side sends, the FFN side takes.
+        self.sender: direct.DirectSender | None = None
+        self.inbox: direct.DirectInbox | None = None
+        self._direct: str = access.direct_payloads
+        sock = _step_socket(who) if self._direct != "off" else None
+        if sock is not None:
+            spec = dataclasses.replace(spec, step_socket=sock.name)
+            if Role.parse(spec.role) is Role.ATTENTION:
+                self.sender = direct.DirectSender(sock)
+            else:
+                self.inbox = direct.DirectInbox(sock)
+        self._sock: direct.StepSocket | None = sock
         self.exchanges: Exchanges[E] = exchanges
         self.plane = exchanges.plane
         self.client: ControllerClient = access.client(spec, self.plane.blob())
@@ -110,8 +127,46 @@ class PeerLink(Generic[E]):
         exchange to run; a later loss starts its own clock."""
         self.exchange = self.exchanges.connect(view)
         self.loss_watch.reset()
+        self._follow_direct(view)
         return self.exchange
+
+    def _follow_direct(self, view: Any) -> None:
+        """Who this worker sends step payloads to directly (an attention sender: its FFN
+        subscribers), or takes them from (an FFN worker: its attention peers), in `view`."""
+        use = self._direct == "on" or self.exchanges.gpu_driven  # "auto": the GPU-driven path
+        if self.sender is not None:
+            self.sender.connect(
+                direct.subscriber_sockets(view, self.client.role_rank) if use else {}
+            )
+        if self.inbox is not None:
+            self.inbox.allow(direct.peer_sockets(view) if use else [])
+
+    def send_direct(self, payload: afd_pb2.AFDControlPayload) -> None:
+        """An attention sender: `payload` (published, so stamped) to its FFN subscribers on
+        this host, if any."""
+        if self.sender is not None:
+            self.sender.send(payload)
+
+    def close_direct(self) -> None:
+        if self._sock is not None:
+            if self.inbox is not None:
+                self.inbox.close()
+            self._sock.close()
+            self._sock = None
 
     def close(self, reason: str) -> None:
         """Leaves afd-ctl saying why (every peer's PEER_LOST says "left: <reason>")."""
         self.client.close(reason=reason)
+        self.close_direct()
+
+
+def _step_socket(who: str) -> direct.StepSocket | None:
+    """This worker's socket for direct step payloads, or None (the relay only) where there
+    can be none."""
+    if not direct.supported():
+        return None
+    try:
+        return direct.StepSocket()
+    except OSError as exc:
+        log.warning("afd %s: step payloads go through afd-ctl only: %s", who, exc)
+        return None

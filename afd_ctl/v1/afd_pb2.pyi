@@ -27,6 +27,14 @@ SERVING: Health
 NOT_SERVING: Health
 DRAINING: Health
 
+class DirectPayload(_message.Message):
+    __slots__ = ("payload", "prev_step_id")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PREV_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    payload: AFDControlPayload
+    prev_step_id: int
+    def __init__(self, payload: _Optional[_Union[AFDControlPayload, _Mapping]] = ..., prev_step_id: _Optional[int] = ...) -> None: ...
+
 class DPMetadata(_message.Message):
     __slots__ = ("num_tokens_across_dp", "max_tokens_across_dp")
     NUM_TOKENS_ACROSS_DP_FIELD_NUMBER: _ClassVar[int]
@@ -67,7 +75,7 @@ class AFDControlPayload(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., sender_role_rank: _Optional[int] = ..., stages: _Optional[_Mapping[int, DPMetadata]] = ..., is_warmup: _Optional[bool] = ..., is_graph_capturing: _Optional[bool] = ..., is_graph_replaying: _Optional[bool] = ..., is_profile: _Optional[bool] = ..., stop: _Optional[bool] = ..., records_only: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model", "max_attention", "max_ffn", "follows_scale", "lockstep_size")
+    __slots__ = ("role", "dp_rank", "dp_size", "tp_rank", "tp_size", "worker_id", "data_plane_blob", "model", "max_attention", "max_ffn", "follows_scale", "lockstep_size", "step_socket")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +88,7 @@ class RegisterRequest(_message.Message):
     MAX_FFN_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_SCALE_FIELD_NUMBER: _ClassVar[int]
     LOCKSTEP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     role: Role
     dp_rank: int
     dp_size: int
@@ -92,7 +101,8 @@ class RegisterRequest(_message.Message):
     max_ffn: int
     follows_scale: bool
     lockstep_size: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ..., follows_scale: _Optional[bool] = ..., lockstep_size: _Optional[int] = ...) -> None: ...
+    step_socket: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., data_plane_blob: _Optional[bytes] = ..., model: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ..., follows_scale: _Optional[bool] = ..., lockstep_size: _Optional[int] = ..., step_socket: _Optional[str] = ...) -> None: ...
 
 class ModelFingerprint(_message.Message):
     __slots__ = ("architecture", "num_layers", "hidden_size", "num_routed_experts", "num_shared_experts", "dtype", "weights_digest")
@@ -113,7 +123,7 @@ class ModelFingerprint(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_routed_experts: _Optional[int] = ..., num_shared_experts: _Optional[int] = ..., dtype: _Optional[str] = ..., weights_digest: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "role_rank", "dp_rank", "dp_size", "tp_rank", "tp_size", "peer", "registered_at_s")
+    __slots__ = ("worker_id", "role", "role_rank", "dp_rank", "dp_size", "tp_rank", "tp_size", "peer", "registered_at_s", "step_socket")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +133,7 @@ class WorkerInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_AT_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     role_rank: int
@@ -132,7 +143,8 @@ class WorkerInfo(_message.Message):
     tp_size: int
     peer: str
     registered_at_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., peer: _Optional[str] = ..., registered_at_s: _Optional[float] = ...) -> None: ...
+    step_socket: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., role_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., peer: _Optional[str] = ..., registered_at_s: _Optional[float] = ..., step_socket: _Optional[str] = ...) -> None: ...
 
 class Peer(_message.Message):
     __slots__ = ("worker", "data_plane_blob")

@@ -212,8 +212,10 @@ class AttentionSession:
         return self.place.counts(server_counts)
 
     def publish(self, step: Step) -> None:
-        if self.is_sender:
-            self.client.publish(step.to_payload())
+        if self.is_sender and self._link is not None:
+            payload = step.to_payload()
+            self.client.publish(payload)  # stamps its epoch and sender rank
+            self._link.send_direct(payload)  # and straight to the FFN workers on this host
             if self._fence is not None:
                 self._fence.published(step.step_id)
 
@@ -256,7 +258,8 @@ class AttentionSession:
                     log.info("afd attention %s: sent stop at step %d", self.worker_id, step_id)
             except Exception as exc:  # shutting down: report, never raise
                 log.warning("afd attention %s: stop not delivered: %s", self.worker_id, exc)
-            client.close(reason="attention server shutting down")
+            assert self._link is not None  # set whenever the client is
+            self._link.close("attention server shutting down")  # its direct socket too
         if exchanges is not None:
             try:
                 exchanges.close()

@@ -32,6 +32,7 @@ from vllm_ext.exchange.base import FfnExchange
 from vllm_ext.exchange.data_plane import DataPlane
 from vllm_ext.exchange.factory import Exchanges, ffn_exchanges
 from vllm_ext.ffn.engine import warm_up
+from vllm_ext.ffn.payloads import Payloads
 from vllm_ext.ffn.stack import ExpertShard, expert_shard, serve_shard, view_shard
 from vllm_ext.ffn.steps import FfnSteps
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
@@ -40,7 +41,6 @@ from vllm_ext.peer_link import PeerLink, elastic_spec, expected_counts
 
 log = logging.getLogger("vllm_ext.ffn.server")
 
-POLL_S = 0.5
 # While no payload comes: the data plane is polled this often (a peer settling its transfers
 # at reconnect needs this side to poll too; see NixlTransport.poll_idle).
 IDLE_POLL_S = 0.05
@@ -64,6 +64,7 @@ class FfnWorker:
         self._leave_reason = "ffn server exiting"
         self._link: PeerLink[FfnExchange] | None = None
         self._client: Any = None  # self._link.client
+        self._payloads: Payloads | None = None  # relayed and direct (afd_ctl.direct)
         self._exchanges: Exchanges[FfnExchange] | None = None
         self._loss_watch: Any = None  # afd_data.rendezvous.StuckLossWatch, once started
         self._peers: list[int] = []  # attention role ranks served, in order of concatenation
@@ -137,6 +138,7 @@ class FfnWorker:
             access, spec, self._exchanges, f"ffn rank {afd.ffn_rank}", self.vllm_config
         )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
+        self._payloads = Payloads(self._client, self._link.inbox)
         # /health follows afd-ctl too: 503 while it is unreachable or the set is incomplete,
         # whichever the loop happens to see first (an outage, a lost peer).
         self._metrics.follow(self._client.serving)
@@ -159,7 +161,7 @@ class FfnWorker:
             while not self._stop.is_set():
                 try:
                     self._check_gpu_steps()
-                    payload = self._client.next_payload(timeout_s=IDLE_POLL_S)
+                    payload = self._payloads.next(IDLE_POLL_S, self._link.plane.epoch)
                     if self._follow_epoch(payload):
                         self.run_step(payload)
                     self._said_unreachable = False
@@ -200,9 +202,8 @@ class FfnWorker:
             log.exception(
                 "afd ffn %s: failed at step %d; leaving afd-ctl", self.worker_id, self.steps
             )
-            self._leave_reason = (
-                f"ffn server failed at step {self.steps}: {type(exc).__name__}: {exc}"
-            )
+            why = f"{type(exc).__name__}: {exc}"
+            self._leave_reason = f"ffn server failed at step {self.steps}: {why}"
             return 1
         finally:
             self.close()
@@ -304,8 +305,9 @@ class FfnWorker:
 
     def stats(self) -> dict[str, float]:
         stats = self.step_runner.stats() if self.step_runner is not None else {}
-        if self._exchanges is not None:
-            stats.update(self._exchanges.stats())
+        for part in (self._exchanges, self._payloads):  # the data plane's; the payloads' paths
+            if part is not None:
+                stats.update(part.stats())
         return stats
 
     def close(self) -> None:
@@ -313,7 +315,8 @@ class FfnWorker:
         client, self._client = self._client, None
         exchanges, self._exchanges = self._exchanges, None
         if client is not None:
-            client.close(reason=self._leave_reason)
+            assert self._link is not None  # set whenever the client is
+            self._link.close(self._leave_reason)  # its direct socket too
         if exchanges is not None:
             try:
                 exchanges.close()
@@ -326,11 +329,8 @@ class FfnWorker:
         assert self._link is not None
         serve_shard(self.engine.stack, view_shard(me, view))  # the experts of its new group
         self._link.connect(view)
-        self._metrics.connected(
-            view.epoch,
-            reconnect=self._connects > 0,
-            gpu_driven=self._exchanges is not None and self._exchanges.gpu_driven,
-        )
+        gpu = self._exchanges is not None and self._exchanges.gpu_driven
+        self._metrics.connected(view.epoch, reconnect=self._connects > 0, gpu_driven=gpu)
         self._connects += 1
         self._said_unreachable = False
         log.info(
