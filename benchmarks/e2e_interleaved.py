@@ -67,7 +67,7 @@ def _runner(
 INTERLEAVED_PARTS = ("colocated", "afd", "afd_relay", "afd_dbo")
 AFD_PARTS = INTERLEAVED_PARTS[1:]
 # The afd_relay part: step payloads through afd-ctl's relay only (no direct copy on the host).
-RELAY_ONLY = {"AFD_DIRECT_PAYLOADS": "0"}
+RELAY_ONLY = {"AFD_DIRECT_PAYLOADS": "off"}
 
 
 def parts_of(args: argparse.Namespace) -> list[str]:
