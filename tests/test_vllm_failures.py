@@ -149,7 +149,11 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
 ) -> None:
     """dp=2: `vllm serve --data-parallel-size 2`; the idle engine's dummy batches fail too
     while the FFN side is down, and both engines reconnect once it is back."""
-    servers = start_afd_servers(tiny_model, start_daemon, procs, tmp_path, dp=dp)
+    ffn_tmp = tmp_path / "ffn-tmp"
+    ffn_tmp.mkdir()
+    servers = start_afd_servers(
+        tiny_model, start_daemon, procs, tmp_path, dp=dp, ffn_env={"TMPDIR": str(ffn_tmp)}
+    )
     daemon, ffn, attention = servers.daemon, servers.ffn, servers.attention
     health, url, body = servers.health, servers.url, servers.body
 
@@ -163,6 +167,8 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     assert errors[-1]["type"] == "ServiceUnavailableError", errors[-1]  # as a plain 503
     tokens = sum(len(e["choices"][0]["text"]) > 0 for e in events if "choices" in e)
     assert tokens < 230, "the request finished although its FFN server was killed"
+    # Nothing of the killed server's left in its temp folder (its file store went at start-up).
+    assert not list(ffn_tmp.glob("afd-ffn-dist-*")), list(ffn_tmp.iterdir())
 
     # The attention server stays up, reports unhealthy and fails new requests at once.
     wait_status(health, 503, 10)

@@ -6,7 +6,6 @@ a forward context per call) and nothing else: no KV cache, no attention weights,
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -128,10 +127,13 @@ def _init_one_rank_world(vllm_config: Any) -> None:
     seams = compat.seams()
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if seams.on_cpu():
-        # The file store lives in a folder of our own, removed when the process exits.
+        # The file store lives in a folder of our own, removed once the world of one is set up
+        # (its groups are made then; nothing reads the store later), so a server killed with
+        # -9 leaves nothing in /tmp.
         folder = tempfile.mkdtemp(prefix="afd-ffn-dist-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        method = f"file://{folder}/store"
-    else:
-        method = f"tcp://127.0.0.1:{_free_port()}"
-    seams.init_one_rank_world(vllm_config, method)
+        try:
+            seams.init_one_rank_world(vllm_config, f"file://{folder}/store")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    seams.init_one_rank_world(vllm_config, f"tcp://127.0.0.1:{_free_port()}")
