@@ -80,13 +80,34 @@ class LateEventCounters:
         self.ffn_log = Path(ffn_log) if ffn_log else None
         self.caches = triton_cache_dirs()
 
-    def snapshot(self) -> dict[str, int]:
-        counts: dict[str, int] = {"triton_kernels_compiled": 0}
+    def cache_entries(self) -> set[str]:
+        """Every entry of the Triton caches (one folder per compiled kernel)."""
+        entries: set[str] = set()
         for cache in self.caches:
             try:
-                counts["triton_kernels_compiled"] += sum(1 for _ in os.scandir(cache))
+                entries.update(e.path for e in os.scandir(cache))
             except OSError:
                 pass
+        return entries
+
+    @staticmethod
+    def kernel_names(entries: set[str]) -> list[str]:
+        """The kernels compiled into these cache entries (each holds NAME.json beside its
+        binary), so a refusal says what compiled: fused_moe_kernel is the MoE side's,
+        triton_poi_* / triton_red_* are torch.compile's (an attention or colocated engine)."""
+        names = set()
+        for entry in entries:
+            try:
+                names.update(
+                    f.name[: -len(".json")] for f in os.scandir(entry)
+                    if f.name.endswith(".json") and not f.name.startswith("__grp__")
+                )  # fmt: skip
+            except OSError:
+                names.add(Path(entry).name)
+        return sorted(names)
+
+    def snapshot(self) -> dict[str, int]:
+        counts: dict[str, int] = {"triton_kernels_compiled": len(self.cache_entries())}
         if self.ffn_log is not None and self.ffn_log.is_file():
             text = self.ffn_log.read_text(errors="replace")
             counts["ffn_late_graph_captures"] = text.count(FFN_LATE_CAPTURE)
@@ -211,11 +232,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for attempt in range(1, REPEAT_ATTEMPTS + 1):
             generate(b, SETTLE_TOKENS)  # the timed run never follows another batch directly
             x0 = exchange_totals()
-            before = counters.snapshot()
+            before, cached = counters.snapshot(), counters.cache_entries()
             if timers is not None:
                 timers.steps.clear()
             outs, wall = generate(b, args.tokens)
-            refuse_late_events(late_events(before, counters.snapshot()), what)
+            new = counters.kernel_names(counters.cache_entries() - cached)
+            refuse_late_events(late_events(before, counters.snapshot()), what, new)
             timings = request_timings(outs)
             stagger_ms = 1e3 * (max(t.first_token_s for t in timings)
                                 - min(t.first_token_s for t in timings))  # fmt: skip

@@ -205,11 +205,14 @@ def late_events(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str
     return {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
 
 
-def refuse_late_events(events: Mapping[str, int], what: str) -> None:
+def refuse_late_events(events: Mapping[str, int], what: str, kernels: Sequence[str] = ()) -> None:
+    """Refuses a timed run in which something compiled or captured; `kernels`: the Triton
+    kernels compiled meanwhile, by name."""
     if events:
         shown = ", ".join(f"{k} +{v}" for k, v in sorted(events.items()))
+        named = f"; Triton kernels compiled: {', '.join(kernels)}" if kernels else ""
         raise BenchmarkRefused(
-            f"{what}: compiles or graph captures inside the timed region ({shown}); "
+            f"{what}: compiles or graph captures inside the timed region ({shown}{named}); "
             "warm-up did not cover every shape"
         )
 

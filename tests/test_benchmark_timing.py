@@ -114,6 +114,30 @@ def test_a_compile_or_late_capture_inside_the_timed_region_refuses_the_run() -> 
     refuse_late_events(late_events(after, after), "nothing grew")
 
 
+def test_a_refusal_for_a_triton_compile_names_the_kernels(tmp_path, monkeypatch) -> None:
+    from benchmarks.decode_runner import LateEventCounters
+
+    def compiled(name: str, digest: str) -> None:  # as Triton lays out one kernel
+        entry = tmp_path / digest
+        entry.mkdir()
+        for file in (f"{name}.json", f"{name}.cubin", f"__grp__{name}.json"):
+            (entry / file).write_text("{}")
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "no-vllm-cache"))
+    compiled("triton_poi_fused_0", "AAAA")
+    counters = LateEventCounters("")
+    before, cached = counters.snapshot(), counters.cache_entries()
+    compiled("fused_moe_kernel", "BBBB")
+    compiled("triton_red_fused_1", "CCCC")
+    new = counters.kernel_names(counters.cache_entries() - cached)
+    assert new == ["fused_moe_kernel", "triton_red_fused_1"]
+    with pytest.raises(BenchmarkRefused) as refused:
+        refuse_late_events(late_events(before, counters.snapshot()), "batch 16, repeat 0", new)
+    assert "triton_kernels_compiled +2; Triton kernels compiled: fused_moe_kernel, " \
+        "triton_red_fused_1" in str(refused.value)  # fmt: skip
+
+
 def gpu_args(**over: object) -> argparse.Namespace:
     base = {"layers": 4, "tokens": 64, "repeats": 3, "spread_bound": 0.0, "gpu": True,
             "one_gpu": False,

@@ -112,6 +112,29 @@ def test_one_rank_micro_batch_decision_follows_vllms_thresholds() -> None:
     assert not ubatched(3, 8, num_reqs=3, force_uniform_decode=True)  # second half all padding
 
 
+def test_an_unsplit_step_at_a_micro_batched_graphs_size_is_told_as_eager() -> None:
+    """--enable-dbo: vLLM's UBatchWrapper keeps one FULL graph per size, so a step it did not
+    split (too few real rows) padded to a size it captured micro-batched runs eagerly though
+    the forward context says FULL; the FFN side must hear "eager", not "replay" (seen on an
+    H200: the FFN server captured a step graph while serving). The rule is vLLM's own."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_ubatch_wrapper import UBatchWrapper
+
+    source = inspect.getsource(UBatchWrapper.__call__)
+    assert "batch_descriptor.num_tokens in self.cudagraphs" in source
+    assert "cudagraph_runtime_mode = CUDAGraphMode.NONE" in source
+    mode = compat.seams().graph_mode_run
+    wrapper = UBatchWrapper.__new__(UBatchWrapper)  # its __init__ makes a CUDA stream
+    wrapper.cudagraphs = {32: object(), 64: object()}
+    runner = SimpleNamespace(model=wrapper)
+    assert mode(runner, "FULL", 32, micro_batched=False) == "NONE"  # aborted ubatching
+    assert mode(runner, "FULL", 32, micro_batched=True) == "FULL"
+    assert mode(runner, "FULL", 24, micro_batched=False) == "FULL"  # below the threshold
+    assert mode(runner, "PIECEWISE", 32, micro_batched=False) == "PIECEWISE"
+    assert mode(SimpleNamespace(model=object()), "FULL", 32, micro_batched=False) == "FULL"
+
+
 def test_a_failed_start_is_logged_with_its_exception() -> None:
     """vllm_ext.startup_errors reads a worker's or engine core's start-up failure from the
     record vLLM logs for it (compat.engine_core: STARTUP_FAILURE_LOGGER, ..._PHRASE)."""

@@ -50,6 +50,8 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc]
     _afd_serving_dummy = False
     # --enable-dbo at DP 1: AFD makes vLLM's micro-batch decision (compat.micro_batched_at_one_rank).
     _afd_one_rank_micro_batches = False
+    # --enable-dbo at any DP: unsplit steps may run eagerly (compat.graph_mode_run).
+    _afd_micro_batches = False
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         afd = from_vllm_config(self.vllm_config)
@@ -65,6 +67,7 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc]
                 "split it: see vllm_ext/README.md, 'Adding a model family'"
             )
         parallel = self.vllm_config.parallel_config
+        self._afd_micro_batches = parallel.use_ubatching
         self._afd_one_rank_micro_batches = (
             parallel.use_ubatching and parallel.data_parallel_size == 1
         )
@@ -96,6 +99,8 @@ class AfdAttentionRunnerMixin(compat.seams().RunnerSeam):  # type: ignore[misc]
         if self._afd_one_rank_micro_batches:  # vLLM decides micro-batches only under DP > 1
             result = compat.seams().micro_batched_at_one_rank(self, result, args, kwargs)
         num_tokens, across_dp, graph_mode, micro_batched = compat.seams().padding_decision(result)
+        if self._afd_micro_batches:  # an unsplit step at a micro-batched graph's size: eager
+            graph_mode = compat.seams().graph_mode_run(self, graph_mode, num_tokens, micro_batched)
         flags = self._afd_flags or StepFlags()
         stage_tokens = None
         if micro_batched:

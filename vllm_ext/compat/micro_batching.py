@@ -5,7 +5,8 @@
 Why: vLLM 0.26 and 0.32 decide micro-batches only across DP ranks (they exist to overlap
 DeepEP's all2all); AFD overlaps its FFN hop, which needs no second rank, so at DP 1 the same
 rule is applied with vLLM's own pieces and the wrapper is let run (`micro_batched_at_one_rank`,
-`allow_micro_batches_at_one_rank`); the exchange hands over between micro-batches with
+`allow_micro_batches_at_one_rank`); a step vLLM did not split at a size whose graph is
+micro-batched runs without a graph, which the FFN side must be told (`graph_mode_run`); the exchange hands over between micro-batches with
 vLLM's `dbo_yield` (`micro_batch`).
 Upstream change that makes it unnecessary: micro-batching decided per rank (not only across
 DP), with DPMetadata optional at DP 1.
@@ -100,6 +101,25 @@ def micro_batched_at_one_rank(runner: Any, result: tuple, args: tuple, kwargs: d
     if is_last_ubatch_empty(call["num_tokens"], padded, parallel.num_ubatches):
         return result
     return tuple(True if isinstance(r, bool) else r for r in result)
+
+
+def graph_mode_run(runner: Any, graph_mode: str, num_tokens: int, micro_batched: bool) -> str:
+    """The CUDA graph mode a step of `num_tokens` padded rows really runs in under
+    --enable-dbo. vLLM's UBatchWrapper (runner.model) keeps one FULL graph per size: where it
+    captured a size micro-batched, a step of that size that vLLM did not split (fewer real rows
+    than its threshold, padded up to a micro-batched size) runs without a graph, although the
+    step's forward context says FULL (UBatchWrapper.__call__: "ubatching was aborted")."""
+    from vllm.v1.worker.gpu_ubatch_wrapper import UBatchWrapper
+
+    if graph_mode != "FULL" or micro_batched or not isinstance(runner.model, UBatchWrapper):
+        return graph_mode
+    graphs = getattr(runner.model, "cudagraphs", None)
+    if not isinstance(graphs, dict):
+        raise RuntimeError(
+            "afd: vLLM's UBatchWrapper keeps no `cudagraphs` dict of its micro-batched graphs; "
+            "vllm_ext (AFD) needs updating for this vLLM"
+        )
+    return "NONE" if num_tokens in graphs else graph_mode
 
 
 @functools.cache
