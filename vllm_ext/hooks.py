@@ -263,9 +263,10 @@ def _check_micro_batching(parallel: Any, afd: AfdConfig) -> None:
     log.warning(
         "afd attention: --enable-dbo: vLLM captures micro-batched steps only in FULL CUDA-graph "
         "modes, which only the GPU-driven exchange (FFN peers on this host) joins; on the "
-        "host-driven exchange they run without graphs, slower than without overlap so far. "
-        "Measure TPOT with and without it (benchmarks/e2e_decode.py --interleave --part "
-        "afd,afd_dbo)"
+        "host-driven exchange they run without graphs. Either way each micro-batch reads the "
+        "experts' weights again: where decode is bound by those reads (one H200, batch 32-256: "
+        "TPOT 1.44-1.75x without overlap) overlap costs more than it hides. Measure TPOT with "
+        "and without it (benchmarks/e2e_decode.py --interleave --part afd,afd_dbo)"
     )
 
 
