@@ -36,7 +36,7 @@ from tests.test_vllm_afd import (  # noqa: E402
     start_ffn,
     tiny_models,  # noqa: F401 (fixture)
 )
-from tests.test_vllm_failures import http_status, post_error, wait_status  # noqa: E402
+from tests.test_vllm_failures import post_error, wait_status  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     free_port,
     post_json,
@@ -296,8 +296,14 @@ def test_losing_one_expert_parallel_ffn_rank_fails_steps_until_it_is_back(
 
     again = start_ffn(model, daemon, procs, tmp_path / "ffn-1-again.log", *ffn_rank_config(1))
     wait_status(health, 200, 240)
-    assert http_status(health) == 200
-    assert post_json(url, body)["choices"][0]["text"] == before
+    # The first steps after the new epoch may still fail once (the idle DP engine's dummy
+    # batch meeting rank 0's last step of the old epoch; seen once on the CI-like run, /health
+    # back to 503 right after 200): requests succeed again within a bound, with the same tokens.
+    deadline = time.monotonic() + 60
+    while (answer := post_error(url, body))[0] != 200:
+        assert time.monotonic() < deadline, f"no answer 60 s after /health 200: {answer}"
+        wait_status(health, 200, 60)
+    assert json.loads(answer[1])["choices"][0]["text"] == before
     assert_shards([ffns[0], again], 2)
     assert "reconnected to 2 ffn peer(s)" in attention.log(), attention.tail()
     attention.signal(signal.SIGTERM)
