@@ -106,8 +106,10 @@ class LateEventCounters:
                 names.add(Path(entry).name)
         return sorted(names)
 
-    def snapshot(self) -> dict[str, int]:
-        counts: dict[str, int] = {"triton_kernels_compiled": len(self.cache_entries())}
+    def snapshot(self, entries: set[str]) -> dict[str, int]:
+        """The counters now; `entries`: cache_entries() read just before (counted, not read
+        again)."""
+        counts: dict[str, int] = {"triton_kernels_compiled": len(entries)}
         if self.ffn_log is not None and self.ffn_log.is_file():
             text = self.ffn_log.read_text(errors="replace")
             counts["ffn_late_graph_captures"] = text.count(FFN_LATE_CAPTURE)
@@ -232,12 +234,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for attempt in range(1, REPEAT_ATTEMPTS + 1):
             generate(b, SETTLE_TOKENS)  # the timed run never follows another batch directly
             x0 = exchange_totals()
-            before, cached = counters.snapshot(), counters.cache_entries()
+            cached = counters.cache_entries()
+            before = counters.snapshot(cached)
             if timers is not None:
                 timers.steps.clear()
             outs, wall = generate(b, args.tokens)
-            new = counters.kernel_names(counters.cache_entries() - cached)
-            refuse_late_events(late_events(before, counters.snapshot()), what, new)
+            now = counters.cache_entries()
+            after = counters.snapshot(now)
+            refuse_late_events(
+                late_events(before, after), what, counters.kernel_names(now - cached)
+            )
             timings = request_timings(outs)
             stagger_ms = 1e3 * (max(t.first_token_s for t in timings)
                                 - min(t.first_token_s for t in timings))  # fmt: skip

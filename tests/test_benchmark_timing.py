@@ -127,13 +127,15 @@ def test_a_refusal_for_a_triton_compile_names_the_kernels(tmp_path, monkeypatch)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "no-vllm-cache"))
     compiled("triton_poi_fused_0", "AAAA")
     counters = LateEventCounters("")
-    before, cached = counters.snapshot(), counters.cache_entries()
+    cached = counters.cache_entries()
+    before = counters.snapshot(cached)
     compiled("fused_moe_kernel", "BBBB")
     compiled("triton_red_fused_1", "CCCC")
-    new = counters.kernel_names(counters.cache_entries() - cached)
+    now = counters.cache_entries()
+    new = counters.kernel_names(now - cached)
     assert new == ["fused_moe_kernel", "triton_red_fused_1"]
     with pytest.raises(BenchmarkRefused) as refused:
-        refuse_late_events(late_events(before, counters.snapshot()), "batch 16, repeat 0", new)
+        refuse_late_events(late_events(before, counters.snapshot(now)), "batch 16, repeat 0", new)
     assert "triton_kernels_compiled +2; Triton kernels compiled: fused_moe_kernel, " \
         "triton_red_fused_1" in str(refused.value)  # fmt: skip
 

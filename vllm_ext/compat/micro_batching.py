@@ -6,8 +6,8 @@ Why: vLLM 0.26 and 0.32 decide micro-batches only across DP ranks (they exist to
 DeepEP's all2all); AFD overlaps its FFN hop, which needs no second rank, so at DP 1 the same
 rule is applied with vLLM's own pieces and the wrapper is let run (`micro_batched_at_one_rank`,
 `allow_micro_batches_at_one_rank`); a step vLLM did not split at a size whose graph is
-micro-batched runs without a graph, which the FFN side must be told (`graph_mode_run`); the exchange hands over between micro-batches with
-vLLM's `dbo_yield` (`micro_batch`).
+micro-batched runs without a graph, which the FFN side must be told (`graph_mode_run`); the
+exchange hands over between micro-batches with vLLM's `dbo_yield` (`micro_batch`).
 Upstream change that makes it unnecessary: micro-batching decided per rank (not only across
 DP), with DPMetadata optional at DP 1.
 Remove when: every supported line micro-batches at DP 1 by itself.
