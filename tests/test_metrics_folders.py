@@ -1,4 +1,4 @@
-"""The folders of Prometheus series files (vllm_ext.metrics.series_folder): a server killed
+"""The folders of Prometheus series files (vllm_ext.owned_folders, used by vllm_ext.metrics): a server killed
 with -9 runs no exit handler, so its folder is left behind; the next server that starts removes
 it, and never a live process's folder."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.metrics import series_folder
+from vllm_ext.owned_folders import owned_temp_folder
 
-CHILD = "from vllm_ext.metrics import series_folder; print(series_folder('afd-ffn-prometheus-'), flush=True); input()"
+CHILD = "from vllm_ext.owned_folders import owned_temp_folder; print(owned_temp_folder('afd-ffn-prometheus-'), flush=True); input()"
 
 
 def start_owner(tmp: Path) -> tuple[subprocess.Popen[str], Path]:
@@ -41,7 +41,7 @@ def test_a_killed_servers_folder_goes_when_the_next_starts_and_a_live_ones_stays
         killed.wait(timeout=30)
         assert killed_folder.is_dir() and alive_folder.is_dir()
 
-        mine = Path(series_folder("afd-ffn-prometheus-"))
+        mine = Path(owned_temp_folder("afd-ffn-prometheus-"))
 
         assert not killed_folder.exists()
         assert alive_folder.is_dir() and mine.is_dir()

@@ -19,18 +19,16 @@ Hot paths only add numbers in Python; the files are written once per step (`flus
 
 from __future__ import annotations
 
-import atexit
 import bisect
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from vllm_ext.owned_folders import owned_temp_folder
 
 log = logging.getLogger(__name__)
 
@@ -183,31 +181,6 @@ def worker_files() -> SeriesFiles | None:
 _exposed_dir: str | None = None  # the folder this process's REGISTRY reads, once exposed
 
 
-def series_folder(prefix: str) -> str:
-    """A new folder for this process's series files, `<prefix><pid>-<random>` in the temporary
-    folder, removed at exit. A process killed with -9 (or by its supervisor) runs no exit
-    handler, so first the folders of the same prefix whose owning process is gone are removed:
-    they pile up no further than the processes alive."""
-    root = Path(tempfile.gettempdir())
-    for stale in root.glob(f"{prefix}*-*"):
-        pid = stale.name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    directory = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    return directory
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def expose_worker_series() -> None:
     """In the API server process, before the engine starts: its /metrics shows what the
     engine's worker processes write (see the module docstring). Idempotent. A folder named in
@@ -220,7 +193,7 @@ def expose_worker_series() -> None:
     from prometheus_client import REGISTRY
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    directory = series_folder("afd-prometheus-")
+    directory = owned_temp_folder("afd-prometheus-")
     os.environ[DIR_ENV] = directory
     MultiProcessCollector(REGISTRY, path=directory)
     _exposed_dir = directory
@@ -323,7 +296,7 @@ def serve_ffn_metrics(host: str, port: int) -> FfnMetrics:
 
     from vllm_ext.ffn.probe_server import Answer, ProbeServer
 
-    directory = series_folder("afd-ffn-prometheus-")
+    directory = owned_temp_folder("afd-ffn-prometheus-")
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)
     metrics = FfnMetrics(SeriesFiles(directory))
