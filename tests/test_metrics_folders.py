@@ -1,6 +1,6 @@
-"""The folders of Prometheus series files (vllm_ext.owned_folders, used by vllm_ext.metrics): a server killed
-with -9 runs no exit handler, so its folder is left behind; the next server that starts removes
-it, and never a live process's folder."""
+"""The folders of Prometheus series files (vllm_ext.owned_folders, used by vllm_ext.metrics):
+a server killed with -9 runs no exit handler, so its folder is left behind; the next server
+that starts removes it, and never a live process's folder."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ import pytest
 
 from vllm_ext.owned_folders import owned_temp_folder
 
-CHILD = "from vllm_ext.owned_folders import owned_temp_folder; print(owned_temp_folder('afd-ffn-prometheus-'), flush=True); input()"
+CHILD = (
+    "from vllm_ext.owned_folders import owned_temp_folder; "
+    "print(owned_temp_folder('afd-ffn-prometheus-'), flush=True); input()"
+)
 
 
 def start_owner(tmp: Path) -> tuple[subprocess.Popen[str], Path]:
@@ -45,7 +48,8 @@ def test_a_killed_servers_folder_goes_when_the_next_starts_and_a_live_ones_stays
 
         assert not killed_folder.exists()
         assert alive_folder.is_dir() and mine.is_dir()
-        assert mine.name.startswith(f"afd-ffn-prometheus-{os.getpid()}-")
+        assert mine.name.startswith("afd-ffn-prometheus-")
+        assert mine.name.split("-")[3].endswith(f".{os.getpid()}")
     finally:
         for proc in (killed, alive):
             proc.kill()
