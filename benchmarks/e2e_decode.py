@@ -632,6 +632,14 @@ def main() -> None:
         "fit two engines on one GPU, e.g. 128 for a 2/3/4-layer fit)",
     )
     il.add_argument("--log-dir", default="", help="keep every process's log of each run here")
+    il.add_argument(
+        "--host-profile-batch", type=int, default=0,
+        help="after the timed repeats, one more repeat at this batch per part under py-spy "
+        "(benchmarks/host_profile.py; raw stacks kept under --log-dir)",
+    )  # fmt: skip
+    il.add_argument(
+        "--py-spy", default="py-spy", help="the py-spy binary --host-profile-batch uses"
+    )
     il.add_argument("--start-timeout", type=float, default=420.0)
     il.add_argument("--run-timeout", type=float, default=120.0, help="seconds for one repeat")
     il.add_argument(

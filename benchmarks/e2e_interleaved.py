@@ -24,7 +24,9 @@ On GPU the MoE layers route with vLLM's uniform random routing simulation on bot
 per step as balanced traffic would, not the few a dummy model's collapsed tokens pick; the JSON
 says how many (expected distinct experts per MoE layer per step). Each request has a prompt of
 its own, all of one length. The AFD parts write their step timelines (AFD_TIMELINE_DIR) and
-the JSON carries benchmarks/timeline.py's summary per depth.
+the JSON carries benchmarks/timeline.py's summary per depth. With `--host-profile-batch B`
+each part then runs one untimed repeat at B under py-spy (benchmarks/host_profile.py): where
+each busy thread's host time went, per part, beside the TPOT it explains.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import gpu_setup, timeline
+from benchmarks import gpu_setup, host_profile, timeline
 from benchmarks.interleave import (
     Lockstep,
     expected_distinct_experts,
@@ -91,6 +93,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
     batches = [int(b) for b in args.batches.split(",")]
     timeline_dir = tmp / "timeline"
     procs: list[Proc] = []
+    ffn_procs: dict[str, Proc] = {}  # each AFD part's FFN server (host profiles)
     try:
         if args.gpu:
             model = gpu_setup.write_v3_shaped(tmp / "model", depth, args.experts)
@@ -136,12 +139,15 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
                     sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
                     "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags,
                 ]  # fmt: skip
-                procs.append(Proc(argv, ffn_log, part_env))
+                ffn_procs[part] = Proc(argv, ffn_log, part_env)
             else:
                 ffn_env = {**vllm_env(), "AFD_TIMELINE_DIR": part_timeline}
                 if part == "afd_relay":
                     ffn_env.update(RELAY_ONLY)
-                procs.append(Proc(ffn_argv(model, daemon.address, *ffn_flags), ffn_log, ffn_env))
+                ffn_procs[part] = Proc(
+                    ffn_argv(model, daemon.address, *ffn_flags), ffn_log, ffn_env
+                )
+            procs.append(ffn_procs[part])
             kwargs = dict(attn_kwargs)
             if part == "afd_dbo":  # dual-batch overlap from vLLM's decode threshold on
                 kwargs["enable_dbo"] = True
@@ -165,16 +171,44 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
         for part in lockstep:
             part.ready(args.start_timeout)
         tpot = interleave(lockstep, batches, args.repeats, args.run_timeout)
+        profiles = {
+            part.name: profile_repeat(args, part, ffn_procs.get(part.name), depth, tmp)
+            for part in lockstep
+            if args.host_profile_batch
+        }
         reports = {part.name: part.finish(args.run_timeout) for part in lockstep}
         summaries = {
             part.name: timeline.summarise(timeline_dir / part.name)
             for part in lockstep
             if (timeline_dir / part.name).is_dir()
         }
-        return {"tpot_ms": tpot, "reports": reports, "timelines": summaries}
+        return {"tpot_ms": tpot, "reports": reports, "timelines": summaries, "profiles": profiles}
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def profile_repeat(
+    args: argparse.Namespace, part: Lockstep, ffn: Proc | None, depth: int, tmp: Path
+) -> dict[str, Any]:
+    """One untimed repeat of `part` at --host-profile-batch with py-spy on its process tree
+    (and its FFN server's): the summaries, raw stacks kept under --log-dir (else dropped)."""
+    into = Path(args.log_dir) / "host_profile" if args.log_dir else tmp / "host_profile"
+    into.mkdir(parents=True, exist_ok=True)
+    targets = {"": part.proc} | ({"ffn": ffn} if ffn is not None else {})
+    recordings = {
+        side: host_profile.Recording(
+            args.py_spy, proc.pid, into / f"{part.name}-{depth}{'-' + side if side else ''}.txt"
+        )
+        for side, proc in targets.items()
+    }
+    started = time.monotonic()
+    part.run(args.host_profile_batch, args.repeats, args.run_timeout)
+    wall_s = time.monotonic() - started
+    out: dict[str, Any] = {"batch": args.host_profile_batch}
+    for side, recording in recordings.items():
+        out[side or "engine"] = recording.stop(wall_s)
+    return out
 
 
 def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -224,6 +258,8 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
             if p.startswith("afd"):
                 rows[f"{p}_exchange"] = run["reports"][p].get("afd_exchange", {})
                 rows[f"{p}_timeline"] = run.get("timelines", {}).get(p, {})
+            if run.get("profiles", {}).get(p):
+                rows[f"{p}_host_profile"] = run["profiles"][p]
             if run["reports"][p].get("retried_repeats"):
                 rows[f"{p}_retried_repeats"] = run["reports"][p]["retried_repeats"]
         result[f"layers_{depth}"] = rows

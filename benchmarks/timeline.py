@@ -9,7 +9,10 @@ Per attention row count (a batch size's decode steps), milliseconds, medians ove
 - `host_lead`: how long before the previous step's GPU end the host opened this one
   (negative: the host opened it only after, so the GPU idled);
 - `payload_hop`: from the attention host opening the step (it publishes right then) to the
-  FFN host taking its payload (the control hop through afd-ctl);
+  FFN host beginning to run its payload, in three parts: `publish` (the attention host, from
+  opening the step to its payload sent), `payload_transit` (from sent to the FFN host taking
+  it: the direct datagram or afd-ctl's relay, and the FFN host's own delay in looking), and
+  `ffn_prelaunch` (the FFN host, from taking the payload to its step graph launched);
 - `ffn_launch_vs_attention_gpu_start`: the FFN host's launch of its step graph against the
   attention GPU's start of the same step (positive: the attention GPU started the step
   before the FFN side had launched it, so its first exchange may wait on the control hop);
@@ -55,6 +58,10 @@ def summarise(folder: Path, min_steps: int = 20) -> dict[str, Any]:
         f = ffn.get(step_id)
         if f is not None:
             figures["payload_hop"].append(f["host_open"] - a["host_open"])
+            if a.get("host_control") and f.get("host_control"):  # lines from 2026-12-04 on
+                figures["publish"].append(a["host_control"] - a["host_open"])
+                figures["payload_transit"].append(f["host_control"] - a["host_control"])
+                figures["ffn_prelaunch"].append(f["host_enqueued"] - f["host_control"])
             figures["ffn_launch_vs_attention_gpu_start"].append(f["host_enqueued"] - a["gpu_start"])
             figures["ffn_gpu_step"].append(f["gpu_end"] - f["gpu_start"])
     by_rows = {}

@@ -344,3 +344,96 @@ def test_the_v3_shaped_model_can_have_fewer_experts_so_deeper_models_fit_two_eng
     for bad in (100, 32, 512):
         with pytest.raises(ValueError, match="multiple of 8"):
             v3_shaped_config(4, bad)
+
+
+def test_timeline_splits_the_payload_hop_into_publish_transit_and_prelaunch(tmp_path) -> None:
+    """Both sides' timeline lines joined by step: the hop from the attention host opening a
+    step to the FFN host running it, in its three parts, per row count."""
+    import json
+
+    from benchmarks.timeline import summarise
+
+    att, ffn = [], []
+    for step in range(1, 31):
+        t = 10.0 + step * 0.004  # a step every 4 ms
+        att.append(
+            {
+                "step": step,
+                "rows": 16,
+                "host_open": t,
+                "host_control": t + 50e-6,
+                "host_enqueued": t + 1e-3,
+                "gpu_start": t + 0.2e-3,
+                "gpu_end": t + 3.2e-3,
+            }
+        )
+        ffn.append({"step": step, "rows": 16, "host_open": t + 300e-6,
+                    "host_control": t + 250e-6, "host_enqueued": t + 400e-6,
+                    "gpu_start": t + 0.3e-3, "gpu_end": t + 3.3e-3})  # fmt: skip
+    (tmp_path / "attention-0-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in att))
+    (tmp_path / "ffn-0-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ffn))
+    rows = summarise(tmp_path)["by_rows"]["16"]
+    assert rows["steps"] == 30
+    assert rows["payload_hop_ms"] == pytest.approx(0.3)
+    assert rows["publish_ms"] == pytest.approx(0.05)
+    assert rows["payload_transit_ms"] == pytest.approx(0.2)
+    assert rows["ffn_prelaunch_ms"] == pytest.approx(0.15)
+    assert rows["attention_gpu_idle_ms"] == pytest.approx(1.0)
+
+
+def test_host_profile_summary_names_each_busy_thread_and_where_it_spent_its_samples() -> None:
+    from benchmarks.host_profile import summarise
+
+    main = 'process 7:"VLLM::EngineCore";thread (7): MainThread;run (vllm/core.py:10)'
+    main += ";wrapped (vllm_ext/attention/step_failures.py:1)"  # ours around vLLM's step
+    watch = 'process 7:"VLLM::EngineCore";thread (9): afd-gpu-watchdog;loop (threading.py:1)'
+    raw = "\n".join([
+        f"{main};step (vllm/core.py:20);open_step (vllm_ext/attention/steps.py:140) 30",
+        f"{main};step (vllm/core.py:21);schedule (vllm/sched.py:5) 60",
+        f"{main};step (vllm/core.py:22) 10",
+        f"{watch};poll (vllm_ext/exchange/gpu_watchdog.py:200) 2",
+        "garbage line",
+    ])  # fmt: skip
+    out = summarise(raw, wall_s=1.0, rate=100)
+    assert [t["thread"] for t in out["threads"]] == ["MainThread"]  # 2% is not busy
+    thread = out["threads"][0]
+    assert thread["process"] == "VLLM::EngineCore"
+    assert thread["active_share"] == pytest.approx(1.0)
+    assert thread["afd_share"] == pytest.approx(0.3)
+    assert thread["leaf"][0] == ["schedule (vllm/sched.py)", 0.6]
+    # run() and step() are on every sample: left out of the inclusive list
+    assert [name for name, _ in thread["inclusive"]] == [
+        "schedule (vllm/sched.py)",
+        "open_step (vllm_ext/attention/steps.py)",
+    ]
+
+
+def test_host_profile_without_py_spy_says_why(tmp_path) -> None:
+    from benchmarks.host_profile import Recording
+
+    recording = Recording(str(tmp_path / "no-py-spy"), 1, tmp_path / "raw.txt")
+    assert "no py-spy" in recording.stop(1.0)["error"]
+
+
+def test_afd_host_time_per_step_parts() -> None:
+    """The attention step machine's own host time: medians per part, open without publish."""
+    from vllm_ext.attention.host_time import HostTime
+
+    host = HostTime()
+    assert host.stats() == {}
+    for _ in range(3):
+        host._step.update(open=100e-6, publish=40e-6, close=20e-6)
+        host.step_done()
+    assert host.stats() == {
+        "afd_host_us_open_median": 60.0,
+        "afd_host_us_publish_median": 40.0,
+        "afd_host_us_close_median": 20.0,
+        "afd_host_us_per_step_median": 120.0,
+    }
+
+
+def test_ffn_warm_up_covers_odd_row_counts_below_each_size() -> None:
+    from vllm_ext.ffn.engine import warm_sizes
+
+    assert warm_sizes(16) == [1, 2, 3, 4, 7, 8, 15, 16]
+    assert warm_sizes(1) == [1]

@@ -193,9 +193,9 @@ class AttentionSession:
         self._full_graphs = full_graphs
 
     def stats(self) -> dict[str, float]:
-        """The exchange's per-layer split on this rank (see its stats())."""
+        """The exchange's split on this rank (its stats()) and AFD's host time per step."""
         exchange = self._link.exchange if self._link is not None else None
-        return exchange.stats() if exchange is not None else {}
+        return {**(exchange.stats() if exchange else {}), **self.steps.host_time.stats()}
 
     # -- the step machine's link (vllm_ext.attention.steps.StepLink) ---------------------------
     def exchange_for_step(self) -> AttentionExchange:

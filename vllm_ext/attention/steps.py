@@ -22,8 +22,10 @@ from typing import Protocol
 import torch
 
 from afd_ctl.step import Step, StepFlags
+from vllm_ext.attention.abandoned import complete_abandoned
 from vllm_ext.attention.flag_counts import FlagCounts
-from vllm_ext.attention.step_failures import AfdStepFailed, failing_step
+from vllm_ext.attention.host_time import HostTime
+from vllm_ext.attention.step_failures import failing_step
 from vllm_ext.attention.verdicts import Verdict, Verdicts
 from vllm_ext.exchange.base import AttentionExchange
 
@@ -72,6 +74,8 @@ class Steps(Protocol):
     @property
     def flag_counts(self) -> Mapping[str, int]: ...
 
+    host_time: HostTime  # AFD's own time on the runner's thread (empty on a TP follower)
+
     def open_step(
         self,
         num_tokens: int,
@@ -103,6 +107,7 @@ class AttentionSteps:
         self.step_id = 0
         # Steps published per CUDA-graph flag (logged at close as "afd attention flags").
         self.flag_counts = FlagCounts()
+        self.host_time = HostTime()  # AFD's own time on the runner's thread per step
         # The open step, the exchange it runs on, this rank's rows per stage (micro-batch), how
         # many layers each stage exchanged, and how many stage forwards have not ended yet.
         self._step: Step | None = None
@@ -143,6 +148,7 @@ class AttentionSteps:
         `full_graph`: vLLM runs this step as a FULL CUDA graph. Capturing one records the
         GPU-driven exchange without running it: such a step is published `records_only`, so
         the FFN side captures its graph for the same token counts and runs nothing either."""
+        opened = self.host_time.start()
         if self._step is not None:
             self._finish_abandoned_step()
         stage_rows = list(stage_tokens) if stage_tokens else [num_tokens]
@@ -167,13 +173,17 @@ class AttentionSteps:
             # Data-plane state first (buffers for this step), then the control message; the
             # step counts as open (see _finish_abandoned_step) only once it is published.
             exchange.begin_step(step)
+            published = self.host_time.start()
             self.link.publish(step)
+            exchange.published()
+            self.host_time.add("publish", published)
             self._step, self._exchange, self._stage_rows = step, exchange, stage_rows
             self._layers_done = [0] * len(stage_rows)
             self._forwards_left = len(stage_rows)
             self._stage_failure = None
             self.flag_counts.count(step.flags, counts)
         self.link.step_opened(step.step_id)
+        self.host_time.add("open", opened)
 
     def _failing(
         self, step_id: int, layer: int | None = None
@@ -204,37 +214,10 @@ class AttentionSteps:
             )
 
     def _finish_abandoned_step(self) -> None:
-        """A step was published but its forward did not run every layer (it raised): the FFN
-        side waits for the rest, so send zeros for the remaining layers of every stage, in the
-        order the FFN side takes them (layer by layer, stage 0 first), and drop the outputs."""
         step, exchange = self._step, self._exchange
         assert step is not None and exchange is not None
         self._step = None
-        log.warning(
-            "afd attention %s: step %d ended after %s of %d layers per stage; completing it "
-            "with zeros",
-            self.rank.worker_id,
-            step.step_id,
-            self._layers_done,
-            self.rank.num_layers,
-        )
-        if step.flags.records_only:
-            return  # recorded, never run: nothing waits for it
-        zeros = [
-            torch.zeros(rows, self.rank.hidden_size, dtype=self.rank.dtype, device=exchange.device)
-            for rows in self._stage_rows
-        ]
-        try:
-            with failing_step(step.step_id):
-                for layer in range(min(self._layers_done), self.rank.num_layers):
-                    todo = [s for s, done in enumerate(self._layers_done) if done <= layer]
-                    for stage in todo:
-                        exchange.post(layer, stage, zeros[stage], None)
-                    for stage in todo:
-                        exchange.take(layer, stage, torch.empty_like(zeros[stage]))
-                exchange.end_step()
-        except AfdStepFailed as exc:  # the next step reconnects if the FFN side is gone
-            log.warning("afd attention %s: %s", self.rank.worker_id, exc)
+        complete_abandoned(step, exchange, self._stage_rows, self._layers_done, self.rank)
 
     def _counts(self, num_tokens: int, across_dp: list[int] | None) -> list[int]:
         dp_rank, dp_size = self.rank.dp_rank, self.rank.dp_size
@@ -321,10 +304,13 @@ class AttentionSteps:
         self._step = None
         if step is None or exchange is None:
             return
+        closing = self.host_time.start()
         with self._failing(step.step_id):
             exchange.end_step()
         self.verdicts.closed(exchange, step.step_id)
         self.link.step_closed()
+        self.host_time.add("close", closing)
+        self.host_time.step_done()
 
     def finish_forward(self) -> None:
         """After vLLM's model call returned (runner side): a step still open here ran as a

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from vllm_ext import compat
+from vllm_ext.attention.host_time import HostTime
 from vllm_ext.attention.verdicts import Verdict, nothing
 from vllm_ext.model_split import Exchange
 
@@ -67,6 +68,7 @@ class FollowerSteps:
     def __init__(self) -> None:
         self.step_id = 0
         self.flag_counts: dict[str, int] = {}
+        self.host_time = HostTime()  # stays empty: the leader's steps cost AFD's host time
         self._rows: list[int] = []
 
     def open_step(

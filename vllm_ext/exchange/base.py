@@ -31,7 +31,7 @@ class StepSplit:
 
 class AttentionExchange(Protocol):
     """An attention worker's exchange. Per step: `begin_step` (before the payload is
-    published), per layer and micro-batch `post` then `take` (under dual-batch overlap with a
+    published), `published` (after it), per layer and micro-batch `post` then `take` (under dual-batch overlap with a
     hand-over to the other micro-batch between them), `end_step` after the forward.
     `settle` is the verdict of closed steps, asked where vLLM first reads what they produced."""
 
@@ -42,6 +42,9 @@ class AttentionExchange(Protocol):
     full_graphs: bool
 
     def begin_step(self, step: Step) -> None: ...
+
+    def published(self) -> None:
+        """The step's payload was just published (a stamp for the step's timeline)."""
 
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
@@ -78,7 +81,8 @@ class FfnExchange(Protocol):
 
     path: str
 
-    def run_step(self, step: Step) -> StepSplit: ...
+    def run_step(self, step: Step, received_at: float = 0.0) -> StepSplit:
+        """`received_at`: when the step's payload was taken (monotonic), for its timeline."""
 
     def check(self) -> None:
         """Between payloads: raises AfdPeerLost once a step in flight failed (a peer lost, or

@@ -126,8 +126,10 @@ class GpuAttentionExchange(_GpuSide):
         self.watchdog.start(setup=lambda: torch.cuda.set_device(device))
         self.exchanges = 0
         self.settle_s = 0.0  # the host's waits for verdicts
+        self.settles = 0  # ... of this many steps
         self._step: Step | None = None
         self._opened_at = 0.0
+        self._published_at = 0.0
         self._start: CudaEvent | None = None
 
     def stats(self) -> dict[str, float]:
@@ -137,6 +139,8 @@ class GpuAttentionExchange(_GpuSide):
             "exchanges": self.exchanges,
             "post_us_per_layer": 0.0,  # the host only enqueues
             "wait_us_per_layer": 1e6 * self.settle_s / n,
+            # A replayed FULL graph exchanges without the host: its wait is the verdict's.
+            "settle_us_per_step": 1e6 * self.settle_s / max(1, self.settles),
             "steps_in_flight": self.watchdog.in_flight,
             **self._gpu_stats(),
         }
@@ -149,9 +153,12 @@ class GpuAttentionExchange(_GpuSide):
         self._report_retired()
         self.bound_s = self.plane.bound_s(step)
         self._step = step
-        self._opened_at = time.monotonic()
+        self._opened_at = self._published_at = time.monotonic()
         # A FULL-graph capture step records the exchange and runs nothing: no events.
         self._start = None if step.flags.records_only else CudaEvent()
+
+    def published(self) -> None:
+        self._published_at = time.monotonic()
 
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
@@ -185,6 +192,7 @@ class GpuAttentionExchange(_GpuSide):
                 tokens=rows,
                 nbytes=self._nbytes(rows),
                 warmup=step.warmup,
+                control_at=self._published_at,
             )
         )
         if self.reporting.timings is not None:
@@ -201,6 +209,7 @@ class GpuAttentionExchange(_GpuSide):
             self.watchdog.verdict(step_ids, self.bound_s)
         finally:
             self.settle_s += time.perf_counter() - t0
+            self.settles += len(step_ids)
 
 
 class GpuFfnExchange(_GpuSide):
@@ -219,9 +228,10 @@ class GpuFfnExchange(_GpuSide):
     def connected(self) -> None:
         self.step_graphs.reset()  # they hold the previous peers' mapped addresses
 
-    def run_step(self, step: Step) -> StepSplit:
+    def run_step(self, step: Step, received_at: float = 0.0) -> StepSplit:
         """Every layer of `step` onto the stream at once (or its step graph launched); the host
-        moves on to the next payload. The host's time here is enqueueing, counted as compute."""
+        moves on to the next payload. The host's time here is enqueueing, counted as compute.
+        `received_at`: when its payload was taken (monotonic; the timeline's stamp)."""
         self.plane.check_step(step)
         config = self.plane.config
         counts = validate_counts(config, step.counts)
@@ -259,6 +269,7 @@ class GpuFfnExchange(_GpuSide):
                 rows,
                 self._nbytes(rows),
                 step.warmup,
+                control_at=received_at,
             )
         )
         self.check()

@@ -34,6 +34,10 @@ POISON_EVERY_S = 200e-6
 # After the poison: a stream that still has not drained waits on something nothing releases.
 POISONED_DRAIN_S = 10.0
 POLL_S = 1e-3
+# The thread's round while steps are in flight. Each round takes the GIL from vLLM's runner
+# thread; a loss or an overrun is seen within this much more (the bounds are seconds), and a
+# verdict never waits on it (it retires finished steps itself).
+WATCH_S = 5e-3
 # Verdicts kept for steps not yet asked about (a verdict is asked once, within a step or two).
 KEPT_VERDICTS = 4096
 LOST = "afd peer lost: "  # how a loss's reason starts (afd_ctl.errors.AfdPeerLost)
@@ -64,6 +68,9 @@ class InFlight:
     tokens: int = 0
     nbytes: int = 0
     warmup: bool = False  # a warm-up, profile or capture step
+    # The control hop (monotonic): the attention side published the step's payload / the FFN
+    # side took it; 0.0 where not known (for the timeline).
+    control_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class Retired:
     start: Event | None = None
     end: Event | None = None
     warmup: bool = False
+    control_at: float = 0.0
 
 
 class StepWatchdog:
@@ -263,6 +271,7 @@ class StepWatchdog:
                         step.start,
                         step.end,
                         step.warmup,
+                        step.control_at,
                     )
                 )
         if changed:
@@ -277,7 +286,7 @@ class StepWatchdog:
 
     # -- a thread for the attention side -----------------------------------------------------
     def start(self, setup: Callable[[], None] = lambda: None) -> None:
-        """Runs `poll` on a daemon thread every POLL_S while steps are in flight; `setup` runs
+        """Runs `poll` on a daemon thread every WATCH_S while steps are in flight; `setup` runs
         first on that thread (the CUDA device for its driver calls)."""
         if self._thread is not None:
             return
@@ -290,7 +299,7 @@ class StepWatchdog:
                         self._cond.wait(0.05)
                         continue
                 self.poll()
-                self._sleep(POLL_S)
+                self._sleep(WATCH_S)
 
         self._thread = threading.Thread(target=loop, name="afd-gpu-watchdog", daemon=True)
         self._thread.start()

@@ -59,6 +59,9 @@ class NixlAttentionExchange:
         if self.reporting.timings is not None:
             self.reporting.timings.begin(step.step_id, self, step.warmup)
 
+    def published(self) -> None:
+        """Nothing: the host-driven step's timings start at its first post."""
+
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
     ) -> None:
@@ -148,7 +151,7 @@ class NixlFfnExchange:
     def stats(self) -> dict[str, float]:
         return dict(self.graphs.stats())
 
-    def run_step(self, step: Step) -> StepSplit:
+    def run_step(self, step: Step, received_at: float = 0.0) -> StepSplit:
         if step.flags.records_only:
             raise RuntimeError(
                 "afd ffn: a records_only step (a FULL-graph capture of the GPU-driven exchange) "

@@ -2,7 +2,8 @@
 
 Off unless `AFD_TIMELINE_DIR` names a folder: then each worker writes one JSON line per step
 that ran to its end (`<role>-<rank>-<pid>.jsonl`): its step id and rows, the host's stamps
-(`host_open`: the attention side opened the step / the FFN side took its payload;
+(`host_open`: the attention side opened the step / the FFN side began to run its payload;
+`host_control`: the attention side published its payload / the FFN side took it;
 `host_enqueued`: its last GPU operation was enqueued or its graph launched) and its GPU span
 (`gpu_start`, `gpu_end`: its first and last event, placed on the host's clock), all in seconds
 of `time.monotonic()`, which every process of a host shares. benchmarks/timeline.py joins the
@@ -93,6 +94,7 @@ class Timeline:
             "rows": retired.tokens,
             "host_open": round(retired.enqueued_at - retired.host_s, 7),
             "host_enqueued": round(retired.enqueued_at, 7),
+            "host_control": round(retired.control_at, 7),
             "gpu_start": round(gpu_start, 7),
             "gpu_end": round(gpu_end, 7),
         }

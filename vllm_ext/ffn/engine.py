@@ -83,8 +83,18 @@ class FfnEngine:
 
 
 # Row counts at which kernels are specialised (vLLM's fused-MoE Triton configs are keyed by the
-# batch size, and a new key compiles a new kernel): each is run once at start-up.
+# batch size, and a new key compiles a new kernel): each is run once at start-up, and so is the
+# odd count below each (Triton specialises integer arguments by divisibility by 16, and an odd
+# row count makes the routed-token counts odd multiples of top_k: a prefill of any length).
 WARM_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+
+
+def warm_sizes(max_rows: int) -> list[int]:
+    """The row counts warm_up runs for steps of at most `max_rows` rows."""
+    sizes = {n for n in WARM_ROWS if n <= max_rows} | {
+        n - 1 for n in WARM_ROWS if 2 < n <= max_rows
+    }
+    return sorted(sizes)
 
 
 @torch.inference_mode()
@@ -103,7 +113,7 @@ def warm_up(engine: FfnEngine, plane: Any, who: str) -> int:
     kinds: dict[bool, int] = {}
     for layer in range(engine.num_layers):
         kinds.setdefault(engine.stack.is_moe[layer] and engine.stack.held[layer], layer)
-    sizes = [n for n in WARM_ROWS if n <= max_rows]
+    sizes = warm_sizes(max_rows)
     for rows in sizes:
         x = torch.randn(rows, engine.hidden_size, dtype=engine.dtype, device="cuda") * 0.02
         logits = None

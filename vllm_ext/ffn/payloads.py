@@ -25,12 +25,18 @@ class Payloads:
         self.direct = 0  # steps taken from the direct path
         self.relayed = 0  # ... and from afd-ctl's relay
         self.skipped = 0  # relayed copies of steps that ran from the direct path
+        self.taken_at = 0.0  # when `next` last returned a payload (monotonic)
         if inbox is not None:
             client.on_inbound(inbox.wake)
 
     def next(self, timeout_s: float, epoch: int) -> Any:
         """The next payload to run (its epoch may differ from `epoch`, the data plane's: the
         caller follows it), or a typed error as ControllerClient.next_payload raises one."""
+        payload = self._next(timeout_s, epoch)
+        self.taken_at = time.monotonic()
+        return payload
+
+    def _next(self, timeout_s: float, epoch: int) -> Any:
         inbox = self.inbox
         if inbox is None or not inbox.active:
             while True:

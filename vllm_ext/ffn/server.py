@@ -44,8 +44,7 @@ log = logging.getLogger("vllm_ext.ffn.server")
 # While no payload comes: the data plane is polled this often (a peer settling its transfers
 # at reconnect needs this side to poll too; see NixlTransport.poll_idle).
 IDLE_POLL_S = 0.05
-# Waiting for peers: log this often.
-WAIT_LOG_S = 30.0
+WAIT_LOG_S = 30.0  # waiting for peers: log this often
 
 
 class FfnWorker:
@@ -342,8 +341,9 @@ class FfnWorker:
 
     def run_step(self, payload: Any) -> None:
         assert self._link is not None and self._link.exchange is not None
-        assert self.step_runner is not None
-        self.step_runner.run(payload, self._link.exchange, self._metrics, self._profiler)
+        assert self.step_runner is not None and self._payloads is not None
+        taken = self._payloads.taken_at
+        self.step_runner.run(payload, self._link.exchange, self._metrics, self._profiler, taken)
 
     @property
     def steps(self) -> int:

@@ -53,10 +53,18 @@ class FfnSteps:
         return stats
 
     @torch.inference_mode()
-    def run(self, payload: Any, exchange: FfnExchange, metrics: FfnMetrics, profiler: Any) -> None:
-        """One step, every layer and stage, as the exchange runs it."""
+    def run(
+        self,
+        payload: Any,
+        exchange: FfnExchange,
+        metrics: FfnMetrics,
+        profiler: Any,
+        received_at: float = 0.0,
+    ) -> None:
+        """One step, every layer and stage, as the exchange runs it (`received_at`: when its
+        payload was taken, monotonic)."""
         step = Step.from_payload(payload)
-        split = exchange.run_step(step)
+        split = exchange.run_step(step, received_at)
         if step.flags.records_only:
             return  # a FULL-graph capture: nothing was served
         self.recv_s += split.recv_s

@@ -1,0 +1,55 @@
+"""What AFD itself costs the attention host per step: the time vLLM's runner thread spends in
+the step machine's calls (opening the step, publishing its payload, closing it), apart from
+vLLM's own work.
+
+Where the host does not run ahead of its GPU (short steps: few layers, or large batches whose
+CPU work is long) every microsecond here lengthens the step, so `afd_stats` carries the medians
+of the last WINDOW steps and their sum (`afd_host_us_per_step_median`); benchmarks/e2e_decode.py
+puts them beside the TPOT they explain. Two perf_counter reads per part and step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+WINDOW = 1000
+# "open" is the whole of open_step, its "publish" included.
+PARTS = ("open", "publish", "close")
+
+
+class HostTime:
+    def __init__(self) -> None:
+        self._step = dict.fromkeys(PARTS, 0.0)
+        self._recent: deque[tuple[float, ...]] = deque(maxlen=WINDOW)
+
+    def start(self) -> float:
+        """A part begins; pass what this returns to `add`."""
+        return time.perf_counter()
+
+    def add(self, part: str, started: float) -> None:
+        self._step[part] += time.perf_counter() - started
+
+    def step_done(self) -> None:
+        """The step closed: its parts join the window."""
+        self._recent.append(tuple(self._step[p] for p in PARTS))
+        self._step = dict.fromkeys(PARTS, 0.0)
+
+    def stats(self) -> dict[str, float]:
+        """Medians over the window, µs: "open" without its "publish", and the step's sum."""
+        if not self._recent:
+            return {}
+        opens, publishes, closes = zip(*self._recent, strict=True)
+        parts = {
+            "open": [o - p for o, p in zip(opens, publishes, strict=True)],
+            "publish": publishes,
+            "close": closes,
+        }
+        out = {
+            f"afd_host_us_{part}_median": round(1e6 * statistics.median(values), 1)
+            for part, values in parts.items()
+        }
+        totals = [o + c for o, c in zip(opens, closes, strict=True)]
+        out["afd_host_us_per_step_median"] = round(1e6 * statistics.median(totals), 1)
+        return out
