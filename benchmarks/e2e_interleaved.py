@@ -198,7 +198,10 @@ def profile_repeat(
     targets = {"": part.proc} | ({"ffn": ffn} if ffn is not None else {})
     recordings = {
         side: host_profile.Recording(
-            args.py_spy, proc.pid, into / f"{part.name}-{depth}{'-' + side if side else ''}.txt"
+            args.py_spy,
+            proc.pid,
+            into / f"{part.name}-{depth}{'-' + side if side else ''}.txt",
+            native=args.py_spy_native,
         )
         for side, proc in targets.items()
     }

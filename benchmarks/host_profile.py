@@ -39,7 +39,10 @@ STOP_WAIT_S = 60.0
 class Recording:
     """py-spy recording a process tree into `out` (raw collapsed stacks) until `stop`."""
 
-    def __init__(self, py_spy: str, pid: int, out: Path, rate: int = RATE) -> None:
+    def __init__(
+        self, py_spy: str, pid: int, out: Path, rate: int = RATE, native: bool = False
+    ) -> None:
+        """`native`: C/C++ frames too (py-spy pauses the process for each sample then)."""
         self.out, self.rate = out, rate
         self.problem = ""
         binary = shutil.which(py_spy)
@@ -51,7 +54,8 @@ class Recording:
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
                 [binary, "record", "--pid", str(pid), "--subprocesses", "--threads",
-                 "--nonblocking", "--rate", str(rate), "--format", "raw", "-o", str(out)],
+                 "--native" if native else "--nonblocking", "--rate", str(rate),
+                 "--format", "raw", "-o", str(out)],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
 
@@ -74,7 +78,9 @@ class Recording:
 def _frame_name(frame: str) -> str:
     """'func (path/file.py:123)' -> 'func (path/file.py)': lines apart are one function."""
     head, _, where = frame.partition(" (")
-    return f"{head} ({where.rsplit(':', 1)[0]})" if where else head
+    if ":" not in where:
+        return frame  # a native frame: 'name (library)'
+    return f"{head} ({where.rsplit(':', 1)[0]})"
 
 
 def _ours(calls: list[str]) -> bool:
