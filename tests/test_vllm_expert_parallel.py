@@ -137,16 +137,19 @@ def test_each_ffn_rank_holds_only_its_experts(
     """Per split N of 1, 2, 4: every rank holds exactly 1/N of the routed experts' bytes; rank 0
     holds all the rest (gates, shared experts, dense MLPs), the others only their gates; and the
     N ranks' outputs add up to the one rank's output. The tiny DeepSeek-V3 (a dense first layer,
-    a shared expert) and Qwen3-MoE (neither), 8 routed experts each."""
-    for version in (3, "qwen3"):
-        model = tiny_models[version]
-        proc = Proc(
-            [sys.executable, "-m", "vllm_ext.testing.expert_shards", str(model),
-             "--splits", "1,2,4"],
-            tmp_path / f"expert-shards-{model.name}.log",
-            vllm_env(in_process=True),
+    a shared expert) and Qwen3-MoE (neither), 8 routed experts each. The two models' runs go
+    side by side: each is one process on one core (OMP_NUM_THREADS=1)."""
+    models = [tiny_models[3], tiny_models["qwen3"]]
+    for model in models:
+        procs.append(
+            Proc(
+                [sys.executable, "-m", "vllm_ext.testing.expert_shards", str(model),
+                 "--splits", "1,2,4"],
+                tmp_path / f"expert-shards-{model.name}.log",
+                vllm_env(in_process=True),
+            )
         )  # fmt: skip
-        procs.append(proc)
+    for model, proc in zip(models, procs[-len(models) :], strict=True):
         report = proc.json_report(timeout=300)
         assert proc.wait(30) == 0, proc.tail()
         splits = report["splits"]
