@@ -2,10 +2,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.procs import Daemon, Proc
+
+if TYPE_CHECKING:
+    from tests.colocated_serve import ColocatedAnswers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +43,45 @@ def start_daemon(procs: list[Proc], tmp_path: Path) -> Callable[..., Daemon]:
         return daemon
 
     return start
+
+
+@pytest.fixture(scope="session")
+def tiny_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DeepSeek-V2 (random weights, seed 0) of the `vllm serve` tests, built once per
+    session so that they share one colocated reference (`colocated_serve`)."""
+    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+
+    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-v2"), version=2)
+
+
+@pytest.fixture(scope="session")
+def colocated_serve(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[Path], ColocatedAnswers]:
+    """A colocated `vllm serve` of a model, started once per session (not per test or module:
+    a start costs 25-40 s on 2 cores), asked every request of tests/colocated_serve.py, and
+    stopped as soon as it has answered, before the asking test starts its AFD servers."""
+    from tests.colocated_serve import answers_of
+    from vllm_ext.testing.procs import free_port, serve_argv, vllm_env, wait_http_ok
+
+    answers: dict[Path, ColocatedAnswers] = {}
+
+    def of(model: Path) -> ColocatedAnswers:
+        if model not in answers:
+            port = free_port()
+            log = tmp_path_factory.mktemp("colocated") / "colocated.log"
+            server = Proc(serve_argv(model, port), log, vllm_env())
+            try:
+                wait_http_ok(f"http://127.0.0.1:{port}/health", 180, server.popen)
+                answers[model] = answers_of(port, model)
+            except BaseException:
+                print(f"\n--- colocated vllm serve (log {log}) ---\n{server.tail()}")
+                raise
+            finally:
+                server.stop()
+        return answers[model]
+
+    return of
 
 
 # `make test` runs each vLLM line's tests on pytest-xdist workers on machines of 4 cores or more

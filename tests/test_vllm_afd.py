@@ -219,15 +219,24 @@ def test_ffn_server_waits_for_a_slow_attention_side(
     tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
     """An FFN server is a server: it waits for its attention peers past connect_timeout_s (a
-    large model's attention side takes minutes to load), then serves them."""
+    large model's attention side takes minutes to load), then serves them. The attention side
+    starts once the FFN server has registered; its own start-up (vLLM's imports, config,
+    engine) keeps it from registering for well over connect_timeout_s, as measured."""
+    connect_timeout_s = 2.0
     model = tiny_models[2]
     reference = colocated_reference(tiny_models, 2, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env={"AFD_CONNECT_TIMEOUT_S": "2"})
+    ffn = start_ffn(
+        model, daemon, procs, tmp_path / "ffn.log",
+        env={"AFD_CONNECT_TIMEOUT_S": str(connect_timeout_s)},
+    )  # fmt: skip
     ffn.wait_for("registered as ffn rank 0", 180)
-    time.sleep(5)  # well past the FFN server's connect_timeout_s
-    assert ffn.popen.poll() is None, ffn.tail()
+    ffn_registered_at = time.monotonic()
     attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
+    daemon.wait_for(r"worker registered: attention", 300)
+    waited_s = time.monotonic() - ffn_registered_at
+    assert waited_s > 2 * connect_timeout_s, f"the attention side registered after {waited_s} s"
+    assert ffn.popen.poll() is None, ffn.tail()
     assert_same_generation(attention.json_report(timeout=300), reference)
     assert ffn.wait(30) == 0, ffn.tail()
 

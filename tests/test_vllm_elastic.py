@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
 
+from tests.colocated_serve import EACH, LONG, PROMPTS, ColocatedAnswers  # noqa: E402
 from tests.procs import Proc  # noqa: E402
 from tests.test_vllm_failures import post_error, wait_status  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
@@ -34,37 +36,15 @@ from vllm_ext.testing.procs import (  # noqa: E402
     wait_http_ok,
 )
 
-PROMPTS = ["The capital of France is", "Hello, my name is", "Once upon a time there was"]
-BODY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
-# A request long enough to be in flight on a leaving attention server when its change starts.
-LONG = {"prompt": "Once upon a time there was", "max_tokens": 160, "temperature": 0,
-        "ignore_eos": True}  # fmt: skip
+BODY = EACH
 LONG_KEY = "(long)"
 PACE_S = 0.25  # between a client's requests
 CAPACITY = {"max_attention": 2, "max_ffn": 2}
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
-
-    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-v2"), version=2)
-
-
-def colocated_answers(model: Path, log: Path) -> dict[str, str]:
-    """A colocated `vllm serve`'s greedy text per prompt, one request at a time."""
-    port = free_port()
-    server = Proc(serve_argv(model, port), log, vllm_env())
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", 180, server.popen)
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        body = {**BODY, "model": str(model)}
-        answers = {p: post_json(url, {**body, "prompt": p})["choices"][0]["text"] for p in PROMPTS}
-        long = {**LONG, "model": str(model), "stream": False}
-        answers[LONG_KEY] = post_json(url, long)["choices"][0]["text"]
-        return answers
-    finally:
-        server.stop()
+def tiny_model(tiny_v2: Path) -> Path:
+    return tiny_v2
 
 
 def stream_first_event(url: str, body: dict) -> tuple[Any, list[dict]]:
@@ -199,7 +179,8 @@ def scale(daemon, attention: int, ffn: int, *extra: str) -> subprocess.Completed
 @pytest.mark.timeout(900)
 @pytest.mark.both_lines  # the CPU MoE kernels' expert masks, the API process's drain seams
 def test_scale_out_and_in_under_a_client_matches_colocated(
-    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+    tiny_model: Path, colocated_serve: Callable[[Path], ColocatedAnswers], start_daemon,
+    procs: list[Proc], tmp_path: Path,
 ) -> None:  # fmt: skip
     """1:1 -> 1:2 -> 1:1 -> 2:2 -> 1:1 while a client sends requests the whole time, through a
     health-checking balancer over the attention servers: every request succeeds with the
@@ -213,7 +194,8 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
       server join as a second FFN group; the client's balancer sends to both.
     - 1:1: the second attention server drains (/health 503, new requests refused "leaving",
       its own finished, `drained`), is retired and exits 0; so does the second FFN server."""
-    want = colocated_answers(tiny_model, tmp_path / "colocated.log")
+    colocated = colocated_serve(tiny_model)
+    want = {**dict(zip(PROMPTS, colocated.each, strict=True)), LONG_KEY: colocated.long}
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
 
     def ffn(rank: int, log: str) -> Proc:

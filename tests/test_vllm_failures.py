@@ -30,10 +30,8 @@ from vllm_ext.testing.procs import (  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
-
-    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-v2"), version=2)
+def tiny_model(tiny_v2: Path) -> Path:
+    return tiny_v2
 
 
 def http_status(url: str) -> int:

@@ -1,0 +1,59 @@
+"""What a colocated `vllm serve` answers, the reference the tests of AFD `vllm serve` servers
+compare with (test_vllm_serve, test_vllm_elastic): conftest's `colocated_serve` starts one per
+model per session (a start costs 25-40 s of the 2 cores), asks it every request of this module
+and stops it before the asking test starts its AFD servers. Each request runs alone in its
+batch (a batch of two changes float32 sums, and a near-tie token with them), so an answer does
+not depend on which test asked first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_ext.testing.procs import post_json
+
+PROMPTS = ["The capital of France is", "Hello, my name is", "Once upon a time there was"]
+# Each of PROMPTS, one request at a time: what `complete_each` sends.
+EACH = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+COMPLETION = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+CHAT = {
+    "messages": [{"role": "user", "content": "Once upon a time"}],
+    "max_tokens": 12,
+    "temperature": 0,
+}
+# Long enough to be in flight on a leaving attention server when its change starts (elastic).
+LONG = {"prompt": "Once upon a time there was", "max_tokens": 160, "temperature": 0,
+        "ignore_eos": True}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ColocatedAnswers:
+    """A colocated `vllm serve`'s answers: `each` to `complete_each`, `ask` to `ask`, `long`
+    to LONG."""
+
+    each: list[str]
+    ask: tuple[str, str]
+    long: str
+
+
+def complete_each(port: int, model: Path) -> list[str]:
+    """Each of PROMPTS, one request at a time, so every request runs alone in its batch."""
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {**EACH, "model": str(model)}
+    return [post_json(url, {**body, "prompt": p})["choices"][0]["text"] for p in PROMPTS]
+
+
+def ask(port: int, model: Path) -> tuple[str, str]:
+    """A completion and a chat: their texts."""
+    base = f"http://127.0.0.1:{port}/v1"
+    extra = {"model": str(model), "ignore_eos": True}
+    completion = post_json(f"{base}/completions", {**COMPLETION, **extra})
+    chat = post_json(f"{base}/chat/completions", {**CHAT, **extra})
+    return completion["choices"][0]["text"], chat["choices"][0]["message"]["content"]
+
+
+def answers_of(port: int, model: Path) -> ColocatedAnswers:
+    long = post_json(f"http://127.0.0.1:{port}/v1/completions", {**LONG, "model": str(model)})
+    return ColocatedAnswers(
+        complete_each(port, model), ask(port, model), long["choices"][0]["text"]
+    )
