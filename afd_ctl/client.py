@@ -285,12 +285,23 @@ class ControllerClient:
         With stamp=True the current epoch and this worker's role rank are filled in. A payload
         the daemon refused surfaces as AfdRejected (AfdStaleEpoch for an old epoch) on the next
         call, naming the field."""
+        if stamp:
+            self.stamp(payload)
+        else:
+            self._check_publishable(payload)
+        self._publisher.put(payload)
+
+    def stamp(self, payload: afd_pb2.AFDControlPayload) -> None:
+        """Fills in the current epoch and this worker's role rank, as `publish` does, raising
+        what `publish` would raise first (a refusal, a lost set): a sender that copies the
+        payload elsewhere before publishing it stamps it with this."""
+        self._check_publishable(payload)
+        self._view.stamp(payload)
+
+    def _check_publishable(self, payload: afd_pb2.AFDControlPayload) -> None:
         self._publisher.raise_rejection()
         if not payload.stop:
             self._view.raise_condition()
-        if stamp:
-            self._view.stamp(payload)
-        self._publisher.put(payload)
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Half-closes the publish stream and waits until the daemon has read everything;

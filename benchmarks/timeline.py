@@ -12,7 +12,9 @@ Per attention row count (a batch size's decode steps), milliseconds, medians ove
   FFN host beginning to run its payload, in three parts: `publish` (the attention host, from
   opening the step to its payload sent), `payload_transit` (from sent to the FFN host taking
   it: the direct datagram or afd-ctl's relay, and the FFN host's own delay in looking), and
-  `ffn_prelaunch` (the FFN host, from taking the payload to its step graph launched);
+  `ffn_prelaunch` (the FFN host, from taking the payload to its step graph launched), itself
+  in two: `ffn_prepare` (from taking the payload to opening the step: its plan and checks) and
+  `ffn_launch` (its events recorded and the graph launched);
 - `ffn_launch_vs_attention_gpu_start`: the FFN host's launch of its step graph against the
   attention GPU's start of the same step (positive: the attention GPU started the step
   before the FFN side had launched it, so its first exchange may wait on the control hop);
@@ -62,6 +64,8 @@ def summarise(folder: Path, min_steps: int = 20) -> dict[str, Any]:
                 figures["publish"].append(a["host_control"] - a["host_open"])
                 figures["payload_transit"].append(f["host_control"] - a["host_control"])
                 figures["ffn_prelaunch"].append(f["host_enqueued"] - f["host_control"])
+                figures["ffn_prepare"].append(f["host_open"] - f["host_control"])
+                figures["ffn_launch"].append(f["host_enqueued"] - f["host_open"])
             figures["ffn_launch_vs_attention_gpu_start"].append(f["host_enqueued"] - a["gpu_start"])
             figures["ffn_gpu_step"].append(f["gpu_end"] - f["gpu_start"])
     by_rows = {}

@@ -378,6 +378,8 @@ def test_timeline_splits_the_payload_hop_into_publish_transit_and_prelaunch(tmp_
     assert rows["publish_ms"] == pytest.approx(0.05)
     assert rows["payload_transit_ms"] == pytest.approx(0.2)
     assert rows["ffn_prelaunch_ms"] == pytest.approx(0.15)
+    assert rows["ffn_prepare_ms"] == pytest.approx(0.05)
+    assert rows["ffn_launch_ms"] == pytest.approx(0.1)
     assert rows["attention_gpu_idle_ms"] == pytest.approx(1.0)
 
 

@@ -1,7 +1,6 @@
 """One attention worker's AFD session: its link to afd-ctl (registration, views, reconnects,
 stop), its data plane and exchange (vllm_ext.exchange), and the step state machine the runner
-drives (`steps`, vllm_ext.attention.steps), to which it is the `StepLink`. Every wait is bounded
-and fails with the reason.
+drives (`steps`, vllm_ext.attention.steps), to which it is the `StepLink`. Waits are bounded.
 """
 
 from __future__ import annotations
@@ -214,8 +213,9 @@ class AttentionSession:
     def publish(self, step: Step) -> None:
         if self.is_sender and self._link is not None:
             payload = step.to_payload()
-            self.client.publish(payload)  # stamps its epoch and sender rank
-            self._link.send_direct(payload)  # and straight to the FFN workers on this host
+            self.client.stamp(payload)  # its epoch and sender rank
+            self._link.send_direct(payload)  # first: afd-ctl's publish thread takes the GIL
+            self.client.publish(payload, stamp=False)
             if self._fence is not None:
                 self._fence.published(step.step_id)
 

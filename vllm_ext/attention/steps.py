@@ -175,8 +175,8 @@ class AttentionSteps:
             exchange.begin_step(step)
             published = self.host_time.start()
             self.link.publish(step)
-            exchange.published()
             self.host_time.add("publish", published)
+            exchange.published()
             self._step, self._exchange, self._stage_rows = step, exchange, stage_rows
             self._layers_done = [0] * len(stage_rows)
             self._forwards_left = len(stage_rows)

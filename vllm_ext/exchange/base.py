@@ -44,7 +44,8 @@ class AttentionExchange(Protocol):
     def begin_step(self, step: Step) -> None: ...
 
     def published(self) -> None:
-        """The step's payload was just published (a stamp for the step's timeline)."""
+        """The step's payload was just published: a stamp for the step's timeline, and the
+        place for bookkeeping that must not delay the payload."""
 
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None

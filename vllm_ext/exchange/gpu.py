@@ -150,7 +150,6 @@ class GpuAttentionExchange(_GpuSide):
         validate_counts(self.plane.config, step.counts)
         if self.watchdog.fatal is not None:
             raise RuntimeError(self.watchdog.fatal)
-        self._report_retired()
         self.bound_s = self.plane.bound_s(step)
         self._step = step
         self._opened_at = self._published_at = time.monotonic()
@@ -158,7 +157,10 @@ class GpuAttentionExchange(_GpuSide):
         self._start = None if step.flags.records_only else CudaEvent()
 
     def published(self) -> None:
+        """The payload is out: the steps retired since the last one are reported now, off
+        the control hop's path (they used to delay the publish)."""
         self._published_at = time.monotonic()
+        self._report_retired()
 
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
@@ -244,7 +246,8 @@ class GpuFfnExchange(_GpuSide):
                 with self.engine.step_scope():
                     self.step_graphs.capture(step.graph_key, warm_up, enqueue)
             return StepSplit()
-        self._report_retired()
+        # Nothing before the launch but what the launch needs: the steps retired since the
+        # last payload are reported by `check`, after it.
         self.bound_s = self.plane.bound_s(step)
         t0 = time.perf_counter()
         opened = time.monotonic()
