@@ -119,8 +119,8 @@ def test_ffn_scale_out_and_in_under_steps_bytes_intact(
     moved = wait_connected(attention, [0, 1])
     wait_connected(ffn0, [0])
     steps_after(attention, moved["t"])
-    assert ffn1[0].popen.poll() is None, ffn1[0].tail()
-    assert events(ffn1[0], "step"), ffn1[0].tail()  # it ran steps, every byte checked
+    # FFN rank 1 ran steps, every byte checked; its own log line can trail the attention's.
+    steps_after(ffn1[0], moved["t"])
 
     pauses["1:2->1:1"] = scale(daemon, 1, 1)
     assert ffn1[0].wait(30) == 0, ffn1[0].tail()
