@@ -291,6 +291,11 @@ class ControllerClient:
             self._check_publishable(payload)
         self._publisher.put(payload)
 
+    def coalesce_publishes(self, window: Callable[[], float]) -> None:
+        """`window()`: how long the publish stream may hold a payload for the next ones
+        (seconds, 0: not at all), asked per message (afd_ctl.publisher)."""
+        self._publisher.window = window
+
     def stamp(self, payload: afd_pb2.AFDControlPayload) -> None:
         """Fills in the current epoch and this worker's role rank, as `publish` does, raising
         what `publish` would raise first (a refusal, a lost set): a sender that copies the

@@ -45,6 +45,10 @@ _NAME = re.compile(r"afd-steps-[0-9a-f]{32}-[0-9a-f]{16}")
 MAX_DATAGRAM_BYTES = 64 << 10
 # Direct payloads that arrived before their predecessor, kept per receiver.
 MAX_HELD = 64
+# While every subscriber of a sender takes its payloads directly, afd-ctl's copies are a
+# backup (a dropped datagram) and for operators: the sender's publish stream may hold one for
+# this long to send several steps in one message (afd_ctl.publisher).
+RELAY_COALESCE_S = 0.02
 
 
 def supported() -> bool:
@@ -75,12 +79,19 @@ def same_host(name: str) -> bool:
     return bool(host) and socket_problem(name) is None and name[len(PREFIX) : -17] == host
 
 
+def subscriber_ranks(view: afd_pb2.View, sender_rank: int) -> list[int]:
+    """The FFN ranks afd-ctl relays an attention sender's payloads to in `view`."""
+    return list(
+        routing.subscriber_ranks(
+            sender_rank, view.expected_attention, view.expected_ffn, groups=view.ffn_groups or None
+        )
+    )
+
+
 def subscriber_sockets(view: afd_pb2.View, sender_rank: int) -> dict[str, str]:
     """An attention sender's FFN subscribers in `view` (those afd-ctl relays its payloads
     to) that have a step socket: worker id -> socket name."""
-    ranks = routing.subscriber_ranks(
-        sender_rank, view.expected_attention, view.expected_ffn, groups=view.ffn_groups or None
-    )
+    ranks = subscriber_ranks(view, sender_rank)
     return {
         p.worker.worker_id: p.worker.step_socket
         for p in view.peers
@@ -120,14 +131,17 @@ class DirectSender:
     def __init__(self, sock: StepSocket) -> None:
         self.sock = sock
         self._targets: dict[str, str] = {}  # worker id -> socket name
+        self.covers_all = False  # every subscriber of the view is a target
         self._epoch: int | None = None
         self._prev = 0
         self.sent = 0
         self.dropped = 0
 
-    def connect(self, targets: Mapping[str, str]) -> None:
-        """The FFN subscribers of the new view (worker id -> step socket) on this host."""
+    def connect(self, targets: Mapping[str, str], subscribers: int = 0) -> None:
+        """The FFN subscribers of the new view (worker id -> step socket) on this host, of
+        the view's `subscribers`."""
         self._targets = {w: name for w, name in targets.items() if same_host(name)}
+        self.covers_all = 0 < subscribers == len(self._targets)
         if self._targets:
             log.info(
                 "afd direct payloads: each step payload also goes straight to %s on this host "
@@ -157,6 +171,7 @@ class DirectSender:
                 self.dropped += 1  # its queue is full: the relay brings this one
             except OSError as exc:
                 del self._targets[worker_id]
+                self.covers_all = False
                 log.warning(
                     "afd direct payloads: %s cannot be reached on this host (%s: another "
                     "network namespace, or it exited); its payloads come through afd-ctl only",

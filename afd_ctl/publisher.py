@@ -1,7 +1,14 @@
-"""The attention sender's Publish stream: one long-lived stream fed by a queue.
+"""The attention sender's PublishBatch stream: one long-lived stream fed by a queue.
 
 `publish` never blocks the step; refusals come back as acks and surface as typed errors on the
 next call. A new registration retires the stream (it is bound to the old session's secret).
+
+Payloads go in batches: each gRPC message costs the sender's host several takes of the
+interpreter lock by grpcio's threads (more than the step's own bookkeeping), taken from the
+engine's thread. The stream's thread sends what queued since its last message; with a
+coalescing window (`window`, which the data plane sets while afd-ctl's copy is off the
+step's path: every FFN subscriber takes the payloads directly) it first waits that long after
+the first payload, so a few steps go in one message.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -25,6 +33,8 @@ Reason = afd_pb2.PublishRejected.Reason
 # Refusals that mean "your view is out of date": refresh it (wait_complete) and resend.
 STALE_REASONS = (Reason.STALE_EPOCH, Reason.SESSION_ENDED)
 Requests = queue.SimpleQueue[afd_pb2.AFDControlPayload | None]
+# Payloads in one message at most (a few hundred bytes each).
+MAX_BATCH = 64
 
 
 def rejection(rejected: afd_pb2.PublishRejected) -> AfdRejected:
@@ -65,7 +75,11 @@ class Publisher:
         self._secret = secret
         self.lock = threading.Lock()
         self._rejections: deque[AfdRejected] = deque()
+        self._last_put = 0  # the last step id queued
+        self._discarded_upto = 0  # refusals of steps up to this one are about older payloads
         self._stream: _Stream | None = None  # guarded by lock
+        # Seconds the stream's thread waits after a payload for more (0: sends at once).
+        self.window: Callable[[], float] = lambda: 0.0
 
     def raise_rejection(self) -> None:
         """Raises the oldest refusal not yet raised, if any."""
@@ -73,9 +87,13 @@ class Publisher:
             raise self._rejections.popleft()
 
     def discard_rejections(self) -> None:
+        """Drops the refusals of every payload queued so far, also those still to come back
+        (a payload may wait in the stream's window while the worker reconnects)."""
+        self._discarded_upto = self._last_put
         self._rejections.clear()
 
     def put(self, payload: afd_pb2.AFDControlPayload) -> None:
+        self._last_put = payload.step_id
         self._open().requests.put(payload)
 
     def _open(self) -> _Stream:
@@ -88,7 +106,8 @@ class Publisher:
                 (WORKER_ID_METADATA, self._worker_id),
                 (PUBLISH_SECRET_METADATA, self._secret()),
             )
-            call = self._stub.Publish(_drain(requests), metadata=metadata)
+            batches = _batches(requests, lambda: self.window())
+            call = self._stub.PublishBatch(batches, metadata=metadata)
             stream = self._stream = _Stream(requests, call)
             threading.Thread(
                 target=self._read_acks, args=(stream,), name="afd-publish-acks", daemon=True
@@ -108,8 +127,11 @@ class Publisher:
     def _read_acks(self, stream: _Stream) -> None:
         try:
             for ack in stream.call:  # type: ignore[attr-defined]
-                if self._is_current(stream):  # a retired stream's are about an old session
-                    self._rejections.append(rejection(ack.rejected))
+                refused = ack.rejected
+                # A retired stream's are about an old session, a discarded one's about
+                # payloads from before a reconnect.
+                if self._is_current(stream) and refused.step_id > self._discarded_upto:
+                    self._rejections.append(rejection(refused))
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 log.warning("publish stream ended: %s: %s", exc.code().name, exc.details())
@@ -143,9 +165,28 @@ class Publisher:
                 self._stream.requests.put(None)
 
 
-def _drain(requests: Requests) -> Iterator[afd_pb2.AFDControlPayload]:
+def _batches(
+    requests: Requests, window: Callable[[], float]
+) -> Iterator[afd_pb2.AFDControlPayloads]:
+    """The stream's messages: what queued, in order, at most MAX_BATCH payloads each; ends at
+    the None that half-closes the stream (after the payloads queued before it)."""
     while True:
-        item = requests.get()
-        if item is None:
+        first = requests.get()
+        if first is None:
             return
-        yield item
+        wait_s = window()
+        if wait_s > 0:
+            time.sleep(wait_s)  # the queue is read after it: no wake-up per payload meanwhile
+        batch, ended = [first], False
+        while len(batch) < MAX_BATCH:
+            try:
+                item = requests.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                ended = True
+                break
+            batch.append(item)
+        yield afd_pb2.AFDControlPayloads(payloads=batch)
+        if ended:
+            return

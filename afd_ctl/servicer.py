@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from afd_ctl import publish_stream
+from afd_ctl.aio_calls import abort, send, status_code
 from afd_ctl.controller import Controller
 from afd_ctl.daemon_views import scale_reply
 from afd_ctl.errors import ControlError
@@ -25,9 +27,6 @@ from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.watch_limits import TAP, WatchLimits, refuse
 from afd_ctl.wire import (
     PROTO_TO_ROLE,
-    PUBLISH_SECRET_METADATA,
-    WORKER_ID_METADATA,
-    text_metadata,
 )
 
 log = logging.getLogger(__name__)
@@ -37,9 +36,8 @@ SESSION_CLOSED = (
     "pings (frozen, or the network is down)"
 )
 HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
-# Publish streams and registrations refused when they open, rate-limited: anyone who can
-# reach the port can send them as fast as they like.
-PUBLISH_REFUSED = RateLimitedLog(log, "publish stream refused")
+# Registrations refused when they open, rate-limited: anyone who can reach the port can
+# send them as fast as they like.
 REGISTRATION_REFUSED = RateLimitedLog(log, "registration refused")
 TRACE_POLL_S = 0.05
 # Session messages besides register, heartbeat and leave: timings and spans (issue 26), a
@@ -53,27 +51,6 @@ def role_name(value: int) -> str:
     if value in PROTO_TO_ROLE:
         return PROTO_TO_ROLE[value]
     return afd_pb2.Role.Name(value) if value in afd_pb2.Role.values() else str(value)
-
-
-def status_code(name: str) -> grpc.StatusCode:
-    return grpc.StatusCode[name]
-
-
-async def abort(context: grpc.aio.ServicerContext, error: ControlError) -> None:
-    await context.abort(status_code(error.code), error.message)
-
-
-async def send(context: grpc.aio.ServicerContext, message: object) -> bool:
-    """Writes one message of a response stream; False when the client hung up meanwhile.
-
-    A handler that yields leaves the write to grpcio, which logs a client that hung up during
-    a blocked write (one that had stopped reading) as a 10-line ERROR traceback; written here,
-    that is an ordinary end of the stream."""
-    try:
-        await context.write(message)
-    except (grpc.aio.InternalError, grpc.aio.UsageError, asyncio.InvalidStateError):
-        return False
-    return True
 
 
 class Heard:
@@ -201,33 +178,17 @@ class ControllerServicer(afd_pb2_grpc.AFDControllerServicer):
         request_iterator: AsyncIterator[afd_pb2.AFDControlPayload],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[afd_pb2.PublishAck]:
-        metadata = text_metadata(context.invocation_metadata())
-        worker_id = metadata.get(WORKER_ID_METADATA, "")
-        try:
-            # Checked once, here: the stream is bound to that session from now on.
-            session = self.controller.publisher(
-                worker_id, metadata.get(PUBLISH_SECRET_METADATA, "")
-            )
-        except ControlError as error:
-            PUBLISH_REFUSED.warn(f"from {context.peer()}: {error.message}")
-            await abort(context, error)
-            return
-        publish = self.controller.publish
-        rejections = RateLimitedLog(log, f"payloads from {clip(worker_id)!r} rejected")
-        async for payload in request_iterator:
-            try:
-                publish(session, payload)
-            except ControlError as error:
-                rejections.warn(f"step {payload.step_id}: {error.message}")
-                rejected = afd_pb2.PublishRejected(
-                    step_id=payload.step_id,
-                    code=status_code(error.code).value[0],
-                    message=error.message,
-                    reason=error.reason or "REASON_UNSPECIFIED",  # the enum by name
-                )
-                yield afd_pb2.PublishAck(rejected=rejected)
-                if session.ended:
-                    return  # the client opens a new stream for its new registration
+        async for ack in publish_stream.serve(self.controller, request_iterator, context):
+            yield ack
+
+    async def PublishBatch(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[afd_pb2.AFDControlPayloads],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[afd_pb2.PublishAck]:
+        payloads = publish_stream.unbatched(request_iterator)
+        async for ack in publish_stream.serve(self.controller, payloads, context):
+            yield ack
 
 
 class InspectServicer(afd_pb2_grpc.AFDInspectServicer):

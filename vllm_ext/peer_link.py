@@ -96,6 +96,8 @@ class PeerLink(Generic[E]):
         self.exchanges: Exchanges[E] = exchanges
         self.plane = exchanges.plane
         self.client: ControllerClient = access.client(spec, self.plane.blob())
+        if self.sender is not None:
+            self.client.coalesce_publishes(self._publish_window)
         # Per-step timings to afd-ctl (issue 26): `afd-ctl status`, `advise`, `trace`.
         exchanges.reporting.timings = ExchangeTimings(self.client.timings)
         self.client.timings.layers = spec.model.num_layers if spec.model is not None else 0
@@ -135,11 +137,18 @@ class PeerLink(Generic[E]):
         subscribers), or takes them from (an FFN worker: its attention peers), in `view`."""
         use = self._direct == "on" or self.exchanges.gpu_driven  # "auto": the GPU-driven path
         if self.sender is not None:
-            self.sender.connect(
-                direct.subscriber_sockets(view, self.client.role_rank) if use else {}
-            )
+            rank = self.client.role_rank
+            targets = direct.subscriber_sockets(view, rank) if use else {}
+            self.sender.connect(targets, len(direct.subscriber_ranks(view, rank)))
         if self.inbox is not None:
             self.inbox.allow(direct.peer_sockets(view) if use else [])
+
+    def _publish_window(self) -> float:
+        """How long afd-ctl's copy of a payload may wait for the next ones: while the
+        GPU-driven exchange runs (its FFN side takes direct payloads) and every subscriber gets
+        them directly, that copy is off the step's path (afd_ctl.direct.RELAY_COALESCE_S)."""
+        sender, gpu_driven = self.sender, self.exchanges.gpu_driven
+        return direct.RELAY_COALESCE_S if sender and sender.covers_all and gpu_driven else 0.0
 
     def send_direct(self, payload: afd_pb2.AFDControlPayload) -> None:
         """An attention sender: `payload` (published, so stamped) to its FFN subscribers on

@@ -414,6 +414,12 @@ class PublishRejected(_message.Message):
     reason: PublishRejected.Reason
     def __init__(self, step_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[PublishRejected.Reason, str]] = ...) -> None: ...
 
+class AFDControlPayloads(_message.Message):
+    __slots__ = ("payloads",)
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    payloads: _containers.RepeatedCompositeFieldContainer[AFDControlPayload]
+    def __init__(self, payloads: _Optional[_Iterable[_Union[AFDControlPayload, _Mapping]]] = ...) -> None: ...
+
 class PublishAck(_message.Message):
     __slots__ = ("rejected",)
     REJECTED_FIELD_NUMBER: _ClassVar[int]

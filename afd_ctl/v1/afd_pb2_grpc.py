@@ -48,6 +48,11 @@ class AFDControllerStub:
                 request_serializer=afd__ctl_dot_v1_dot_afd__pb2.AFDControlPayload.SerializeToString,
                 response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.PublishAck.FromString,
                 _registered_method=True)
+        self.PublishBatch = channel.stream_stream(
+                '/afd.v1.AFDController/PublishBatch',
+                request_serializer=afd__ctl_dot_v1_dot_afd__pb2.AFDControlPayloads.SerializeToString,
+                response_deserializer=afd__ctl_dot_v1_dot_afd__pb2.PublishAck.FromString,
+                _registered_method=True)
 
 
 class AFDControllerServicer:
@@ -79,6 +84,16 @@ class AFDControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishBatch(self, request_iterator, context):
+        """Publish with several payloads per message, in step order, each checked and fanned out as
+        if it had come alone (same metadata, same acks, one per refused payload). The sender's
+        afd_ctl client uses it: a message per step costs its host more than the step's own
+        bookkeeping (gRPC's Python threads take the interpreter lock several times per message).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AFDControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +105,11 @@ def add_AFDControllerServicer_to_server(servicer, server):
             'Publish': grpc.stream_stream_rpc_method_handler(
                     servicer.Publish,
                     request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.AFDControlPayload.FromString,
+                    response_serializer=afd__ctl_dot_v1_dot_afd__pb2.PublishAck.SerializeToString,
+            ),
+            'PublishBatch': grpc.stream_stream_rpc_method_handler(
+                    servicer.PublishBatch,
+                    request_deserializer=afd__ctl_dot_v1_dot_afd__pb2.AFDControlPayloads.FromString,
                     response_serializer=afd__ctl_dot_v1_dot_afd__pb2.PublishAck.SerializeToString,
             ),
     }
@@ -150,6 +170,33 @@ class AFDController:
             target,
             '/afd.v1.AFDController/Publish',
             afd__ctl_dot_v1_dot_afd__pb2.AFDControlPayload.SerializeToString,
+            afd__ctl_dot_v1_dot_afd__pb2.PublishAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishBatch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/afd.v1.AFDController/PublishBatch',
+            afd__ctl_dot_v1_dot_afd__pb2.AFDControlPayloads.SerializeToString,
             afd__ctl_dot_v1_dot_afd__pb2.PublishAck.FromString,
             options,
             channel_credentials,
