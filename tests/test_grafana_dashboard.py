@@ -55,9 +55,9 @@ def test_the_dashboard_is_well_formed() -> None:
         assert pos["x"] + pos["w"] <= 24, panel["title"]
 
 
-def test_every_afd_series_it_queries_is_defined_in_the_code() -> None:
-    """The cheap half of the live check: each afd_* family is named in the code that exports
-    it (afd_ctl/metrics.py for the daemon, vllm_ext/metrics.py for the workers)."""
+def exported_families() -> set[str]:
+    """Every afd_* family the code exports: the daemon's (afd_ctl/metrics.py) and the workers'
+    (vllm_ext/metrics.py), each named there as a string literal."""
     code = (ROOT / "afd_ctl" / "metrics.py").read_text() + (
         ROOT / "vllm_ext" / "metrics.py"
     ).read_text()
@@ -65,6 +65,24 @@ def test_every_afd_series_it_queries_is_defined_in_the_code() -> None:
         'f"afd_ctl_step_{phase}_seconds"',
         '"afd_ctl_step_compute_seconds" "afd_ctl_step_wait_seconds"',
     )
-    families = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in dashboard_series()}
-    missing = sorted(f for f in families if f.startswith("afd_") and f'"{f}"' not in code)
+    return set(re.findall(r'"(afd_[a-z0-9_]+)"', code))
+
+
+def queried_families() -> set[str]:
+    return {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in dashboard_series()}
+
+
+def test_every_afd_series_it_queries_is_defined_in_the_code() -> None:
+    """The cheap half of the live check: each afd_* family is named in the code that exports
+    it (afd_ctl/metrics.py for the daemon, vllm_ext/metrics.py for the workers)."""
+    missing = sorted(f for f in queried_families() if f.startswith("afd_"))
+    missing = [f for f in missing if f not in exported_families()]
     assert not missing, missing
+
+
+def test_every_afd_series_the_code_exports_has_a_panel() -> None:
+    """A series added to the daemon or the workers needs a panel too (issue 38: membership,
+    epochs, step rates, hop and exchange-wait quantiles, failures, planned changes and holds)."""
+    assert len(exported_families()) >= 30
+    unshown = sorted(exported_families() - queried_families())
+    assert not unshown, f"no panel of deploy/grafana/afd.json queries {unshown}: add one"

@@ -1,8 +1,8 @@
 """deploy/kubernetes without a cluster: every overlay renders with `kubectl kustomize`, passes
 `kubernetes-validate --strict` (offline schemas), and says what the deployment relies on: its
 probes, its security contexts, resource requests, NetworkPolicies and metrics bindings, the
-api-key component, images that deploy/docker builds. tests/test_multihost.py starts the
-rendered cpu-ci containers and runs their probes."""
+api-key component. tests/test_images.py checks the images it names against deploy/docker;
+tests/test_multihost.py starts the rendered cpu-ci containers and runs their probes."""
 
 from __future__ import annotations
 
@@ -378,21 +378,3 @@ def test_the_api_key_component_adds_a_key_from_a_secret(tmp_path: Path) -> None:
     assert "VLLM_API_KEY" not in env_of(container(docs, "StatefulSet", "afd-ffn"))
     checked = validate(docs, tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-
-
-def test_every_image_the_manifests_name_has_a_dockerfile() -> None:
-    """deploy/docker/<image>.Dockerfile builds each image (tests/test_install_script.py runs
-    the install they run)."""
-    images = {
-        c["image"].split(":")[0]
-        for overlay in OVERLAYS
-        for doc in render(overlay)
-        if doc["kind"] in ("Deployment", "StatefulSet")
-        for c in doc["spec"]["template"]["spec"]["containers"]
-    }
-    assert images == {"afd-ctl", "afd-vllm"}, images
-    docker = KUSTOMIZE_DIR.parent / "docker"
-    for image in images:
-        dockerfile = (docker / f"{image}.Dockerfile").read_text()
-        assert f"-t {image}:latest" in dockerfile  # says how to build it
-        assert "scripts/install_afd.sh" in dockerfile

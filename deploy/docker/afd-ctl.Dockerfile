@@ -1,11 +1,15 @@
-# The afd-ctl daemon and its CLI: the image deploy/kubernetes names afd-ctl:latest.
+# The afd-ctl daemon and its CLI: the image deploy/kubernetes names afd-ctl:0.1.0 (the
+# project's version, pyproject.toml; a fixed tag, so Kubernetes' default imagePullPolicy is
+# IfNotPresent and an image loaded onto the nodes is used as it is). From the repository root:
 #
-#   docker build -f deploy/docker/afd-ctl.Dockerfile -t afd-ctl:latest .
+#   docker build -f deploy/docker/afd-ctl.Dockerfile -t afd-ctl:0.1.0 .
 #
-# (from the repository root; .dockerignore keeps virtual environments and results out of the
-# context). It installs through scripts/install_afd.sh, the script tests/test_install_script.py
-# runs. Not built on the project's CI machines (no container runtime there): the install it
-# runs is what the test checks.
+# (.dockerignore keeps virtual environments and results out of the context). A slim Python and
+# afd-ctl only: no vLLM, no NIXL, no torch. It installs through scripts/install_afd.sh, the
+# script tests/test_install_script.py runs for real. Never built on the project's machines:
+# they have no Docker daemon (the docker CLI there cannot build), so the install this image
+# runs is what the test checks, and tests/test_images.py that the tags here, in the manifests
+# and in the README agree.
 ARG PYTHON_IMAGE=python:3.12-slim
 FROM ${PYTHON_IMAGE}
 

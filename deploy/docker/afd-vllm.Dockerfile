@@ -1,15 +1,17 @@
-# vLLM with the AFD plugin (both roles: `vllm serve --afd-role attention|ffn`): the image
-# deploy/kubernetes names afd-vllm:latest. Built on vLLM's own image, so vLLM, torch and CUDA
-# are exactly what vLLM ships; this adds the project and NIXL.
+# vLLM with the AFD plugin (both roles: `vllm serve --afd-role attention|ffn`, and the PD
+# overlay's router): the image deploy/kubernetes names afd-vllm:0.1.0 (the project's version,
+# pyproject.toml). Built on vLLM's own image, so vLLM, torch and CUDA are exactly what vLLM
+# ships; this adds the project and NIXL. From the repository root:
 #
-#   docker build -f deploy/docker/afd-vllm.Dockerfile -t afd-vllm:latest .
-#   docker build -f deploy/docker/afd-vllm.Dockerfile --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0 -t afd-vllm:latest .
+#   docker build -f deploy/docker/afd-vllm.Dockerfile -t afd-vllm:0.1.0 .
+#   docker build -f deploy/docker/afd-vllm.Dockerfile --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0 -t afd-vllm:0.1.0-vllm0.32 .
 #
-# (from the repository root). VLLM_IMAGE must hold a supported vLLM line, 0.26 (the default:
-# the H200 machines' line) or 0.32; the install refuses any other. It installs through
-# scripts/install_afd.sh, the script tests/test_install_script.py runs. Not built on the
-# project's CI machines (no container runtime, no GPU there): the install it runs is what the
-# test checks.
+# VLLM_IMAGE must hold a supported vLLM line: 0.26 (the default, the line the H200 machines
+# run, torch 2.11 / CUDA 13) or 0.32 (name its tag in your overlay's kustomize `images:`); the
+# install refuses any other. It installs through scripts/install_afd.sh, the script
+# tests/test_install_script.py runs for real. Never built on the project's machines: they have
+# no Docker daemon and no GPU, so the install this image runs is what the test checks, and
+# tests/test_images.py that the tags here, in the manifests and in the README agree.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.26.0
 FROM ${VLLM_IMAGE}
 
