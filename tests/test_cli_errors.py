@@ -361,6 +361,29 @@ def test_nothing_listening_or_no_such_host_is_said_within_seconds(address: str, 
         expected_counts(ControlAccess(address, refused_timeout_s=2.0), timeout_s=60)
     assert time.monotonic() - start < 10
     assert "refused_timeout_s" in str(caught.value) and "\n" not in str(caught.value)
+    if "nothing listens" in said:
+        assert "start `afd-ctl serve` there" in str(caught.value), caught.value
+        assert "or fix --afd-controller" in str(caught.value), caught.value
+
+
+def test_a_host_that_answers_nothing_is_waited_for_the_connect_bound():
+    """Issue 38: only refusals (and names that do not resolve) end the wait early; a host that
+    takes the connection and never answers (a stand-in for dropped packets: a socket that
+    listens and never accepts) is waited for connect_timeout_s, as the README's table says."""
+    from vllm_ext.control import ControlAccess, expected_counts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as caught:
+            expected_counts(ControlAccess(address, refused_timeout_s=1.0), timeout_s=4)
+        took = time.monotonic() - start
+    said = str(caught.value)
+    assert said.startswith(f"afd-ctl at {address}") and "did not answer within 4 s" in said
+    assert "is `afd-ctl serve` running there" in said and "\n" not in said, said
+    assert 4 <= took < 10, took
 
 
 def test_a_worker_waiting_for_its_peers_says_how_long_in_one_phrase(start_daemon):
