@@ -438,3 +438,44 @@ def test_an_older_cli_shows_event_kinds_a_newer_daemon_added_instead_of_failing(
     status = afd_pb2.Status(health="SERVING", epoch=3)
     status.recent_events.add(kind=99)
     assert "UNKNOWN_99" in format_status(status)
+
+
+def test_a_failed_start_of_ours_is_logged_as_one_line(tmp_path: Path, monkeypatch):
+    """Issue 38: vLLM logs a worker's failed start with its traceback (~35 lines through our
+    code) and the engine core's with its own; under a `vllm serve` with AFD settings the
+    records become one line naming our reason (noted for the API server's last line), and a
+    failure that is not ours keeps its traceback (tests/test_vllm_start_errors.py: end to end)."""
+    from afd_ctl.errors import AfdRejected
+    from vllm_ext import startup_errors
+
+    reason_file = tmp_path / "reason.txt"
+    monkeypatch.setenv(startup_errors.REASON_ENV, str(reason_file))
+    monkeypatch.setattr(sys, "tracebacklimit", 1000, raising=False)  # the filter sets it
+    shorten = startup_errors._FirstFailure("failed to start")
+
+    def record(exc: BaseException, msg: str) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            return logging.LogRecord("vllm.x", logging.ERROR, "f", 1, msg, (), sys.exc_info())
+
+    theirs = record(RuntimeError("WorkerProc initialization failed"), "EngineCore failed to start.")
+    assert shorten.filter(theirs) and theirs.exc_info is not None  # no reason of ours yet
+    ours = record(
+        AfdRejected("FAILED_PRECONDITION", "model mismatch: x"), "WorkerProc failed to start."
+    )
+    assert shorten.filter(ours) and ours.exc_info is None and ours.exc_text is None
+    said = logging.Formatter().format(ours)
+    assert said == "WorkerProc failed to start: FAILED_PRECONDITION: model mismatch: x", said
+    assert reason_file.read_text() == "FAILED_PRECONDITION: model mismatch: x"
+    # The engine core's record after a worker noted the reason: one line too.
+    engine = record(RuntimeError("WorkerProc initialization failed"), "EngineCore failed to start.")
+    shorten.filter(engine)
+    assert (
+        logging.Formatter()
+        .format(engine)
+        .endswith("failed to start: FAILED_PRECONDITION: model mismatch: x")
+    )
+    later = record(AfdRejected("UNAVAILABLE", "y"), "WorkerProc failed.")  # not a start-up record
+    shorten.filter(later)
+    assert later.exc_info is not None

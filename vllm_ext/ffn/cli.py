@@ -66,7 +66,8 @@ def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
     except Exception as exc:
         if not (is_ours(exc) or isinstance(exc, (TimeoutError, ValueError, AfdError))):
             raise
-        log.error("afd ffn %s: %s", worker.worker_id, exc)
+        debug = log.isEnabledFor(logging.DEBUG)  # AFD_LOG_LEVEL=DEBUG: with its traceback
+        log.error("afd ffn %s: %s", worker.worker_id, exc, exc_info=debug)
         say(f"error: {one_line(exc)}")
         return 1
     if code != 0:  # run() logged the failure with its traceback; its reason goes last
