@@ -9,6 +9,7 @@ second, as that side's last line."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +62,10 @@ def test_bad_afd_flags_are_one_argparse_line(seeds: tuple[Path, Path]) -> None:
         "no controller": (
             [bin_path("vllm"), "serve", str(model), "--afd-role", "ffn"],
             "vllm serve: error: afd role is set but the controller is not: add --afd-controller",
+        ),
+        "no port, without the vllm command": (
+            [sys.executable, "-m", "vllm_ext.ffn", str(model), "--afd-controller", "localhost"],
+            "python -m vllm_ext.ffn: error: --afd-controller (afd controller) must be HOST:PORT",
         ),
     }  # fmt: skip
     running = {
