@@ -30,6 +30,8 @@ class ModelFingerprint:
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
             if mine and theirs and mine != theirs:
                 found.append(f"{field.name} {_quote(mine)} vs {_quote(theirs)}")
+                if field.name == "weights_digest":
+                    found[-1] += f" ({digests_differ(mine, theirs)})"
         return found
 
     def describe(self) -> str:
@@ -38,6 +40,27 @@ class ModelFingerprint:
             for f in fields(self)
             if getattr(self, f.name)
         )
+
+
+def digests_differ(mine: str, theirs: str) -> str:
+    """What two weights digests that differ say, in the vLLM extension's format
+    "LAYOUT-CONTENT" (LAYOUT: config.json and the tensors' names, dtypes and shapes; CONTENT:
+    every byte of the weight files), "LAYOUT-headers-only" or "dummy"."""
+    if "dummy" in (mine, theirs):
+        return "one side runs --load-format dummy: give both roles the same --load-format"
+    layout, _, content = mine.partition("-")
+    their_layout, _, their_content = theirs.partition("-")
+    if layout != their_layout:
+        return (
+            "config.json or the tensors' names, dtypes or shapes differ: another model, "
+            "revision or edited config.json"
+        )
+    if "headers-only" in (content, their_content) or "no-weights" in (content, their_content):
+        return (
+            "the same config.json and tensors, but one side did not hash the values (afd "
+            "weights_digest headers, or no weight files): give both roles the same setting"
+        )
+    return "the same config.json and tensors, other values: another seed, fine-tune or revision"
 
 
 def _quote(value: object) -> str:

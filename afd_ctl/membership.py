@@ -316,8 +316,8 @@ class Membership:
                     "FAILED_PRECONDITION",
                     f"model mismatch: {spec.role.lower()} worker {spec.worker_id!r} serves "
                     f"another model than {worker.describe()}: {'; '.join(differences)} "
-                    f"(this worker vs the registered one); start both roles with the same "
-                    "model and --dtype",
+                    "(this worker vs the registered one); start both roles from the same "
+                    "checkpoint files (config.json included) and --dtype",
                 )
             return
 

@@ -361,6 +361,29 @@ def test_nothing_listening_or_no_such_host_is_said_within_seconds(address: str, 
         expected_counts(ControlAccess(address, refused_timeout_s=2.0), timeout_s=60)
     assert time.monotonic() - start < 10
     assert "refused_timeout_s" in str(caught.value) and "\n" not in str(caught.value)
+    if "nothing listens" in said:
+        assert "start `afd-ctl serve` there" in str(caught.value), caught.value
+        assert "or fix --afd-controller" in str(caught.value), caught.value
+
+
+def test_a_host_that_answers_nothing_is_waited_for_the_connect_bound():
+    """Issue 38: only refusals (and names that do not resolve) end the wait early; a host that
+    takes the connection and never answers (a stand-in for dropped packets: a socket that
+    listens and never accepts) is waited for connect_timeout_s, as the README's table says."""
+    from vllm_ext.control import ControlAccess, expected_counts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as caught:
+            expected_counts(ControlAccess(address, refused_timeout_s=1.0), timeout_s=4)
+        took = time.monotonic() - start
+    said = str(caught.value)
+    assert said.startswith(f"afd-ctl at {address}") and "did not answer within 4 s" in said
+    assert "is `afd-ctl serve` running there" in said and "\n" not in said, said
+    assert 4 <= took < 10, took
 
 
 def test_a_worker_waiting_for_its_peers_says_how_long_in_one_phrase(start_daemon):
@@ -415,3 +438,44 @@ def test_an_older_cli_shows_event_kinds_a_newer_daemon_added_instead_of_failing(
     status = afd_pb2.Status(health="SERVING", epoch=3)
     status.recent_events.add(kind=99)
     assert "UNKNOWN_99" in format_status(status)
+
+
+def test_a_failed_start_of_ours_is_logged_as_one_line(tmp_path: Path, monkeypatch):
+    """Issue 38: vLLM logs a worker's failed start with its traceback (~35 lines through our
+    code) and the engine core's with its own; under a `vllm serve` with AFD settings the
+    records become one line naming our reason (noted for the API server's last line), and a
+    failure that is not ours keeps its traceback (tests/test_vllm_start_errors.py: end to end)."""
+    from afd_ctl.errors import AfdRejected
+    from vllm_ext import startup_errors
+
+    reason_file = tmp_path / "reason.txt"
+    monkeypatch.setenv(startup_errors.REASON_ENV, str(reason_file))
+    monkeypatch.setattr(sys, "tracebacklimit", 1000, raising=False)  # the filter sets it
+    shorten = startup_errors._FirstFailure("failed to start")
+
+    def record(exc: BaseException, msg: str) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            return logging.LogRecord("vllm.x", logging.ERROR, "f", 1, msg, (), sys.exc_info())
+
+    theirs = record(RuntimeError("WorkerProc initialization failed"), "EngineCore failed to start.")
+    assert shorten.filter(theirs) and theirs.exc_info is not None  # no reason of ours yet
+    ours = record(
+        AfdRejected("FAILED_PRECONDITION", "model mismatch: x"), "WorkerProc failed to start."
+    )
+    assert shorten.filter(ours) and ours.exc_info is None and ours.exc_text is None
+    said = logging.Formatter().format(ours)
+    assert said == "WorkerProc failed to start: FAILED_PRECONDITION: model mismatch: x", said
+    assert reason_file.read_text() == "FAILED_PRECONDITION: model mismatch: x"
+    # The engine core's record after a worker noted the reason: one line too.
+    engine = record(RuntimeError("WorkerProc initialization failed"), "EngineCore failed to start.")
+    shorten.filter(engine)
+    assert (
+        logging.Formatter()
+        .format(engine)
+        .endswith("failed to start: FAILED_PRECONDITION: model mismatch: x")
+    )
+    later = record(AfdRejected("UNAVAILABLE", "y"), "WorkerProc failed.")  # not a start-up record
+    shorten.filter(later)
+    assert later.exc_info is not None

@@ -369,3 +369,36 @@ def test_a_worker_of_another_model_is_refused_naming_both_sides():
     c2 = make_controller()
     c2.membership.join(WorkerSpec("a0", ATTENTION, model=v3), "p")
     c2.membership.join(WorkerSpec("f0", FFN), "p")  # none sent: not checked
+
+
+@pytest.mark.parametrize(
+    "theirs,said",
+    [
+        ("136811cff8a3-ee333138105e42dd", "other values: another seed, fine-tune or revision"),
+        ("ffff11cff8a3-1da4fee910c16763", "config.json or the tensors' names, dtypes or shapes"),
+        ("136811cff8a3-headers-only", "give both roles the same setting"),
+        ("dummy", "give both roles the same --load-format"),
+    ],
+)
+def test_a_weights_digest_mismatch_says_what_differs_and_what_to_do(theirs: str, said: str):
+    """Issue 38: the refusal named `weights_digest` only, while the digest covers config.json
+    and the tensor layout too (README, "Weights digest"): it now says which part differs and
+    what to do, in one line."""
+    from dataclasses import replace
+
+    from afd_ctl.fingerprint import ModelFingerprint
+
+    mine = ModelFingerprint("DeepseekV2ForCausalLM", 2, 256, 8, 1, "float32", "")
+    c = make_controller()
+    c.membership.join(WorkerSpec("a0", ATTENTION, model=replace(mine, weights_digest=theirs)), "p")
+    with pytest.raises(ControlError) as err:
+        c.membership.join(
+            WorkerSpec(
+                "f0", FFN, model=replace(mine, weights_digest="136811cff8a3-1da4fee910c16763")
+            ),
+            "p",
+        )
+    message = err.value.message
+    assert f"weights_digest '136811cff8a3-1da4fee910c16763' vs '{theirs}' (" in message, message
+    assert said in message and "\n" not in message, message
+    assert "start both roles from the same checkpoint files (config.json included)" in message

@@ -9,6 +9,7 @@ second, as that side's last line."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +63,10 @@ def test_bad_afd_flags_are_one_argparse_line(seeds: tuple[Path, Path]) -> None:
             [bin_path("vllm"), "serve", str(model), "--afd-role", "ffn"],
             "vllm serve: error: afd role is set but the controller is not: add --afd-controller",
         ),
+        "no port, without the vllm command": (
+            [sys.executable, "-m", "vllm_ext.ffn", str(model), "--afd-controller", "localhost"],
+            "python -m vllm_ext.ffn: error: --afd-controller (afd controller) must be HOST:PORT",
+        ),
     }  # fmt: skip
     running = {
         name: subprocess.Popen(
@@ -93,7 +98,9 @@ def test_an_attention_server_with_no_daemon_says_so_last_within_seconds(
     took = time.monotonic() - started
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
-    assert last_line(done.stderr).startswith(f"error: afd-ctl: nothing listens at {address}")
+    last = last_line(done.stderr)
+    assert last.startswith(f"error: afd-ctl: nothing listens at {address}"), last
+    assert "start `afd-ctl serve` there" in last and "or fix --afd-controller" in last, last
     assert "Traceback" not in output, output[-3000:]
     assert "EngineCore" not in output, "an engine started although afd-ctl never answered"
     # vLLM's own start-up (imports, config) plus refused_timeout_s (5 s), not connect_timeout_s.
@@ -121,16 +128,25 @@ def test_different_weights_are_refused_at_registration_as_the_last_line(
     procs.append(late_ffn)
 
     daemon.wait_for(r"worker registered: ffn", 240)
+    started = time.monotonic()
     attention = Proc(
         attention_argv(seed0, daemon.address), tmp_path / "attention-seed0.log", vllm_env()
     )
     procs.append(attention)
+    assert attention.wait(300) == 1, attention.tail()
+    took = time.monotonic() - started
     for proc, side in ((attention, "attention"), (late_ffn, "ffn")):
         assert proc.wait(300) == 1, proc.tail()
-        line = last_line(proc.log())
+        log = proc.log()
+        line = last_line(log)
         assert line.startswith("error: ") and "model mismatch" in line, proc.tail()
         assert f"{side} worker" in line and "weights_digest '" in line, line
         assert "architecture" not in line, line  # the same config: only the weights differ
+        assert "other values: another seed, fine-tune or revision" in line, line
+        # The reason instead of tracebacks (vLLM's "... failed to start." records shortened).
+        assert "Traceback" not in log, proc.tail()
+    # vLLM's start-up and the refusal at registration: no wait for connect_timeout_s (120 s).
+    assert took < 120, took
     assert ffn.popen.poll() is None, ffn.tail()  # the registered side carries on
     attention_sim.close()
 

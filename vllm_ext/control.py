@@ -253,8 +253,8 @@ class NobodyThere:
 
     # What grpc's message says -> what it means (grpc's resolvers word DNS failures apart).
     REFUSED = (
-        "nothing listens at {addr}: connection refused on every try for {s:.0f} s; is "
-        "`afd-ctl serve` running there, listening on that port (its --listen)?"
+        "nothing listens at {addr}: connection refused on every try for {s:.0f} s; start "
+        "`afd-ctl serve` there (its --listen on that port) or fix --afd-controller"
     )
     NO_NAME = (
         "{host} does not resolve (DNS) on every try for {s:.0f} s; check the host in "

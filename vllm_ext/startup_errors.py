@@ -11,9 +11,11 @@ tracebacks. So:
 - The attention role first asks afd-ctl, from the API server process, whether it answers
   (`check_controller`), so a missing or wrong daemon is one line instead of an engine start.
 - Any later start-up failure of ours in an engine or worker process is noted by a logging
-  handler (vLLM logs a failed start with its exception: compat.engine_core.STARTUP_FAILURE_LOGGER)
-  into a file the API server names in AFD_STARTUP_REASON_FILE; `said_last` then ends the
-  API server with that reason as its last line (exit 1), after vLLM's own output.
+  filter (vLLM logs a failed start with its exception: compat.engine_core.STARTUP_FAILURE_LOGGER)
+  into a file the API server names in AFD_STARTUP_REASON_FILE, and vLLM's "... failed to
+  start." records are then one line each that names it, not tracebacks (VLLM_LOGGING_LEVEL=DEBUG
+  keeps them); `said_last` then ends the API server with that reason as its last line (exit 1),
+  after vLLM's own output.
 """
 
 from __future__ import annotations
@@ -125,39 +127,71 @@ def note(reason: str) -> None:
         f.write(reason)
 
 
-class _FirstFailure(logging.Handler):
-    """Notes the first exception of ours that vLLM's "... failed to start." records carry (a
-    worker's or engine core's failed start; later failures, such as a failed step, are not
-    start-up reasons)."""
+class _FirstFailure(logging.Filter):
+    """On vLLM's "... failed to start." records (a worker's or engine core's failed start;
+    later failures, such as a failed step, are not start-up reasons): notes the first exception
+    of ours, and once a reason of ours is known (from this process or another) logs the record
+    as one line that names it instead of vLLM's traceback through our code and its own (kept
+    with VLLM_LOGGING_LEVEL=DEBUG). A filter on the handlers vLLM configured, so that it runs
+    before they format the record (_Noted notes where there are none)."""
 
     def __init__(self, phrase: str) -> None:
-        super().__init__(logging.ERROR)
+        super().__init__()
         self.phrase = phrase
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or self.phrase not in str(record.msg):
+            return True
+        if is_ours(exc):
+            note(one_line(exc))
+        reason = _read(Path(os.environ.get(REASON_ENV, "")))
+        if reason is None or logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return True
+        record.msg = f"{record.getMessage().rstrip('.')}: {reason}"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        # An engine core re-raises its failure to multiprocessing, which prints it with its
+        # stack; the process ends there, so only the exception's own line is left.
+        sys.tracebacklimit = 0
+        return True
+
+
+class _Noted(logging.Handler):
+    """Notes the reason where no handler vLLM configured saw the record (it is then as it was
+    logged; none of vLLM's handlers shortened it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
 
     def emit(self, record: logging.LogRecord) -> None:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and is_ours(exc) and self.phrase in str(record.msg):
-            note(one_line(exc))
+        if _FILTER is not None and exc is not None and _FILTER.phrase in str(record.msg):
+            if is_ours(exc):
+                note(one_line(exc))
 
 
-_HANDLER: _FirstFailure | None = None
+_FILTER: _FirstFailure | None = None
 
 
 def watch_this_process() -> None:
-    """In every process of a `said_last` run (the plugin loads in each): note our start-up
-    failures that vLLM logs. Idempotent; a no-op elsewhere."""
-    global _HANDLER
+    """In every process of a `said_last` run (the plugin loads in each, after vLLM configured
+    its logging): our start-up failures that vLLM logs are noted and said in one line.
+    Idempotent; a no-op elsewhere."""
+    global _FILTER
     if not os.environ.get(REASON_ENV):
         return
     from vllm_ext import compat
 
     seams = compat.seams()
-    if _HANDLER is None:
-        _HANDLER = _FirstFailure(seams.STARTUP_FAILURE_PHRASE)
+    if _FILTER is None:
+        _FILTER = _FirstFailure(seams.STARTUP_FAILURE_PHRASE)
     for name in ("", seams.STARTUP_FAILURE_LOGGER):
         logger = logging.getLogger(name)
-        if _HANDLER not in logger.handlers:
-            logger.addHandler(_HANDLER)
+        for handler in logger.handlers:
+            if _FILTER not in handler.filters and not isinstance(handler, _Noted):
+                handler.addFilter(_FILTER)
+        if not any(isinstance(h, _Noted) for h in logger.handlers):
+            logger.addHandler(_Noted())
 
 
 def _read(path: Path) -> str | None:

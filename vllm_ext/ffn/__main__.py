@@ -22,7 +22,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.afd_role is None:
         args.afd_role = "ffn"
     from vllm_ext import startup_errors
+    from vllm_ext.config import AfdConfig, afd_section
+    from vllm_ext.hooks import merge_afd_flags
 
+    try:  # a bad --afd-* flag: one argparse-style line, as `vllm serve` says it
+        AfdConfig.resolve(afd_section(merge_afd_flags(args.additional_config, args)))
+    except ValueError as exc:
+        startup_errors.flag_error(exc, "python -m vllm_ext.ffn")
     with startup_errors.said_last():
         serve_ffn(args)
 

@@ -53,18 +53,21 @@ def ignore_kv_transfer(vllm_config: Any) -> None:
 
 def run_worker(vllm_config: Any, afd: AfdConfig) -> int:
     """Runs one FFN worker; a start-up problem the user must fix (afd-ctl not answering,
-    refused credentials, a bad setting) ends it with one line that says what, no traceback."""
+    refused credentials or registration, another model on the other side, a bad setting) ends
+    it with one line that says what, no traceback."""
     from afd_ctl.errors import AfdError
-    from vllm_ext.control import AfdCredentialsRefused
-    from vllm_ext.startup_errors import one_line, say
+    from vllm_ext.startup_errors import is_ours, one_line, say
 
     worker = FfnWorker(vllm_config, afd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: worker.request_stop(signal.Signals(s).name))
     try:
         code = worker.run()
-    except (TimeoutError, ValueError, AfdError, AfdCredentialsRefused) as exc:
-        log.error("afd ffn %s: %s", worker.worker_id, exc)
+    except Exception as exc:
+        if not (is_ours(exc) or isinstance(exc, (TimeoutError, ValueError, AfdError))):
+            raise
+        debug = log.isEnabledFor(logging.DEBUG)  # AFD_LOG_LEVEL=DEBUG: with its traceback
+        log.error("afd ffn %s: %s", worker.worker_id, exc, exc_info=debug)
         say(f"error: {one_line(exc)}")
         return 1
     if code != 0:  # run() logged the failure with its traceback; its reason goes last

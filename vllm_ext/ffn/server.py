@@ -38,6 +38,7 @@ from vllm_ext.ffn.steps import FfnSteps
 from vllm_ext.metrics import FfnMetrics, serve_ffn_metrics
 from vllm_ext.model_split import router_columns
 from vllm_ext.peer_link import PeerLink, elastic_spec, expected_counts
+from vllm_ext.startup_errors import is_ours, one_line
 
 log = logging.getLogger("vllm_ext.ffn.server")
 
@@ -198,6 +199,9 @@ class FfnWorker:
                     continue
             return 0
         except Exception as exc:
+            if self._connects == 0 and is_ours(exc):  # a start-up failure: one line (ffn.cli)
+                self._leave_reason = f"ffn server could not start: {one_line(exc)}"
+                raise
             log.exception(
                 "afd ffn %s: failed at step %d; leaving afd-ctl", self.worker_id, self.steps
             )
@@ -229,14 +233,9 @@ class FfnWorker:
         current = self._link.plane.epoch
         if payload.epoch == current:
             return True
+        step = (self.worker_id, payload.step_id, payload.epoch)  # what the lines below name
         if payload.epoch < current:
-            log.info(
-                "afd ffn %s: dropped step %d of epoch %d (now at epoch %d)",
-                self.worker_id,
-                payload.step_id,
-                payload.epoch,
-                current,
-            )
+            log.info("afd ffn %s: dropped step %d of epoch %d (now at epoch %d)", *step, current)
             return False
         # The view that made the attention side publish in this epoch came before its payload
         # on the same session stream, so it is already here.
@@ -244,13 +243,7 @@ class FfnWorker:
         try:
             view = self._link.wait_newer(timeout_s=self.afd.step_timeout_s, after_epoch=current)
         except AfdTimeout as exc:
-            log.warning(
-                "afd ffn %s: dropped step %d of epoch %d: %s",
-                self.worker_id,
-                payload.step_id,
-                payload.epoch,
-                exc,
-            )
+            log.warning("afd ffn %s: dropped step %d of epoch %d: %s", *step, exc)
             return False
         if view.epoch != payload.epoch:
             log.info(
