@@ -354,6 +354,42 @@ def test_the_reporter_sends_the_last_steps_without_waiting_for_a_next_one():
         reporter.close()
 
 
+def test_status_is_current_within_a_second_of_the_last_step(start_daemon, procs, tmp_path: Path):
+    """Issue 38 through a real daemon: reports went out only with the next step, so an idle
+    pair's LOAD lagged (`STEPS 1` beside 16 relayed). Workers that would report only every
+    30 s run 150 steps and go idle without sending their last report themselves: within a
+    second `status` holds every step, serving ones under STEPS and warm-up ones apart."""
+    import grpc
+
+    from afd_ctl.v1 import afd_pb2_grpc
+
+    daemon = start_daemon()
+    common = ["--steps", "150", "--rate", "100", "--hold-s", "60", *MODEL[:-2]]
+    common += ["--timings-interval-s", "30", "--timings-no-final-flush"]
+    ffn = sim_worker(tmp_path / "ffn.log", daemon.address, "ffn", *common)
+    procs.append(ffn)
+    procs.append(sim_worker(tmp_path / "attn.log", daemon.address, "attention", *common))
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = afd_pb2_grpc.AFDInspectStub(channel)
+        assert ffn.json_report(30)["received"] == 150  # printed after its last step
+        idle_at = time.monotonic()
+        while True:
+            status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=10)
+            loads = {load.worker_id: load for load in status.loads}
+            counted = {k: load.steps + load.warmup_steps for k, load in loads.items()}
+            if counted == {"sim-attention-0": 150, "sim-ffn-0": 150}:
+                break
+            assert time.monotonic() - idle_at < 1.0, (counted, status.last_step_id)
+            time.sleep(0.02)
+    assert status.last_step_id == 150
+    for load in loads.values():
+        assert load.warmup_steps >= 2 and load.steps >= 100, load  # steps 1-2 are warm-up
+        assert load.compute_ms_per_step < 10, load  # serving steps only (model: 2 to 4 ms)
+    text = cli(daemon, "status").stdout
+    row = re.search(r"^sim-ffn-0\s+ffn\s.*\s(\d+)\s*$", text, re.M)
+    assert row is not None and int(row[1]) == loads["sim-ffn-0"].warmup_steps, text
+
+
 def test_warmup_steps_go_in_reports_of_their_own():
     sent: list[afd_pb2.StepTimings] = []
     reporter = StepReporter(lambda r: sent.append(r.timings) or True, interval_s=60.0)
