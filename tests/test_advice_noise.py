@@ -134,12 +134,20 @@ def test_warmup_spikes_flagged_by_the_worker_never_reach_the_window():
 
 
 def test_only_nonsense_is_refused():
-    """No steps, or steps without tokens, are refused (exit 3 in the CLI); a window whose every
-    step is a different length of noise is not."""
+    """No serving steps, steps without tokens or without compute time are refused (exit 3 in
+    the CLI); a window of 3 steps, or one whose every step is noise, is answered."""
     t_a, c0, c1 = 0.5e-3, 0.1e-3, 6e-6
     empty = real_like_window(0, t_a, c0, c1, jitter=0.3, reports=0)
-    with pytest.raises(AdviceRefused, match="too short: 0 serving steps"):
+    with pytest.raises(AdviceRefused, match="no serving steps yet"):
         advise(empty)
+    three = advise(real_like_window(0, t_a, c0, c1, jitter=0.3, reports=1, steps=3, spike_s=0))
+    assert three.noisy and three.notes[0].startswith("short window: 3 attention steps in 1 report")
+    no_compute = real_like_window(0, t_a, c0, c1, jitter=0.3)
+    for r in no_compute.workers[0].window:
+        r.compute_s = 0.0
+        r.step_compute_s[:] = [0.0] * len(r.step_compute_s)
+    with pytest.raises(AdviceRefused, match="no compute time"):
+        advise(no_compute)
     no_tokens = real_like_window(0, t_a, c0, c1, jitter=0.3)
     for w in no_tokens.workers:
         for r in w.window:
