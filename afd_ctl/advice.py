@@ -128,8 +128,18 @@ class Estimate:
     ffn_tokens: float
 
     def balanced(self, layers: int) -> float:
-        c0, c1 = self.c0_step / layers, self.c1_step / layers
-        return (self.t_a_step / layers - c0) / (c1 * self.b) if c1 > 0 and self.b > 0 else math.inf
+        return balanced_ratio(
+            self.t_a_step / layers, self.c0_step / layers, self.c1_step / layers, self.b
+        )
+
+
+def balanced_ratio(t_a: float, c0: float, c1: float, b: float) -> float:
+    """A* = (T_a - c0) / (c1*b); 0 when the FFN's fixed cost alone is at or above T_a (the FFN
+    side limits at every ratio: no A balances it), infinite when the FFN does not grow with
+    tokens (c1 = 0) and stays below T_a."""
+    if c0 >= t_a:
+        return 0.0
+    return (t_a - c0) / (c1 * b) if c1 > 0 and b > 0 else math.inf
 
 
 def _estimate(attention: list[list[Point]], ffn: list[list[Point]]) -> Estimate:
@@ -206,10 +216,10 @@ def advise(timings: afd_pb2.Timings) -> Advice:
         f"{'>' if bottleneck == 'ffn' else '<='} T_a(b) = {1e3 * t_a:.3f} ms; attention waits "
         f"{a_wait:.0%} of its busy time, the FFN side {f_wait:.0%}"
     )
-    balanced = (t_a - c0) / (c1 * b) if c1 > 0 else math.inf
+    balanced = balanced_ratio(t_a, c0, c1, b)
     notes: list[str] = []
     lo, hi = interval
-    wide = not math.isfinite(hi) or hi - lo > 0.5 * balanced
+    wide = not math.isfinite(hi) or hi - lo > 0.5 * max(balanced, 1.0)
     noisy = a_noise > MAX_NOISE or f_noise > MAX_NOISE or wide or bool(short)
     if short:
         notes.append(
@@ -257,7 +267,13 @@ def advise(timings: afd_pb2.Timings) -> Advice:
             "(c1 = 0): no attention:FFN ratio makes the FFN side the bottleneck in this model "
             "(A* is infinite; the candidates show where attention keeps it)"
         )
-    if balanced < 1:
+    if balanced == 0:
+        notes.append(
+            f"the FFN's fixed cost alone (c0 = {1e3 * c0:.3f} ms a layer) is at or above "
+            f"attention's T_a(b) = {1e3 * t_a:.3f} ms: the FFN side limits at every ratio, and "
+            "more FFN than attention workers lies outside this model (A* = 0)"
+        )
+    elif balanced < 1:
         notes.append(
             f"A* = {balanced:.2f} < 1: the FFN side is slower than attention even at 1:1; "
             "more FFN than attention workers lies outside this model (FFN time per worker would "

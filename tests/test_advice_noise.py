@@ -157,3 +157,17 @@ def test_only_nonsense_is_refused():
         advise(no_tokens)
     wild = advise(real_like_window(1, t_a, c0, c1, jitter=0.9))
     assert wild.noisy and wild.recommended.endswith(":1")
+
+
+@pytest.mark.parametrize("c1", [6e-6, 0.0])
+def test_an_ffn_whose_fixed_cost_alone_exceeds_attention_limits_at_every_ratio(c1: float):
+    """A loaded FFN host (the real pair's FFN at 4.3 ms a layer against attention's 1.7 ms):
+    A* is 0, not a negative ratio (nor infinite when the FFN does not grow with tokens), with
+    its interval at 0 and a note that says why."""
+    advice = advise(real_like_window(0, 1.7e-3, 4.0e-3, c1, jitter=0.0, spike_s=0))
+    assert advice.balanced_ratio == 0 and advice.bottleneck == "ffn"
+    assert advice.balanced_ratio_interval == (0.0, 0.0) and not advice.noisy
+    assert any("limits at every ratio" in n for n in advice.notes), advice.notes
+    noisy = advise(real_like_window(1, 1.7e-3, 2.0e-3, 30e-6, jitter=0.4))
+    lo, hi = noisy.balanced_ratio_interval
+    assert noisy.balanced_ratio == 0 and 0 <= lo <= hi, (lo, hi)

@@ -103,7 +103,8 @@ def advice_under_steady_traffic(servers, streams: int = 4, bound_s: float = 60) 
             time.sleep(1)
         advice["answered_after_s"] = time.monotonic() - start
         print(f"advise answered {advice['answered_after_s']:.1f} s after the traffic started")
-        print(afd_ctl(address, "advise").stdout)  # what the README shows
+        text = afd_ctl(address, "advise")  # what the README shows
+        print(text.stdout, text.stderr)
     finally:
         stop.set()
         for thread in threads:
@@ -180,9 +181,10 @@ def test_attention_and_ffn_metrics(
     advice = advice_under_steady_traffic(servers)
     assert advice["answered_after_s"] < 60
     assert advice["recommended"].endswith(":1")
-    # A* and its interval; None (JSON's stand-in for infinity) where the FFN never limits.
+    # A* and its interval; None (JSON's stand-in for infinity) where the FFN never limits, 0
+    # where it limits at every ratio (a loaded host can make the FFN that slow).
     a_star, (lo, hi) = advice["balanced_ratio"], advice["balanced_ratio_interval"]
-    assert lo is not None and lo > 0, advice
+    assert lo is not None and lo >= 0, advice
     assert a_star is None or (lo <= a_star and (hi is None or a_star <= hi)), advice
     loads = {x["role"]: x for x in advice["status"]["loads"]}
     assert set(loads) == {"ATTENTION", "FFN"}
