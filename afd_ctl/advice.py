@@ -17,19 +17,20 @@ medians, the FFN line a Theil-Sen fit (the median of the slopes between steps of
 a compile step or a hiccup of the machine moves nothing. Warm-up, profile and capture steps
 never reach the window (the daemon counts them apart). A noisy window gets an answer with its
 interval: A* recomputed over resamples of the window's reports (a bootstrap), 5th to 95th
-percentile, instead of a refusal. Advice is refused only without data: a side that does not
-report, a window too short, no tokens.
+percentile, instead of a refusal; so does a short window (resampling its steps), with a note
+that says so. Advice is refused only without data or on nonsense: a side that does not report
+or has no serving step yet, no tokens, no compute time.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import statistics
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from afd_ctl.robust_fit import fit_line
+from afd_ctl.robust_fit import median as _median
 from afd_ctl.v1 import afd_pb2
 
 MIN_STEPS = 50
@@ -39,9 +40,6 @@ MIN_REPORTS = 3
 MAX_NOISE = 0.25
 CANDIDATES = (1, 2, 3, 4, 6, 8)
 RESAMPLES = 100
-MAX_GROUPS = 64
-# A step size counts for the FFN's line when at least this share of its steps have it.
-MIN_GROUP_SHARE = 0.01
 Point = tuple[float, float, float]  # tokens, compute s, wait s of one step
 
 
@@ -96,7 +94,9 @@ def _reports(workers: list[afd_pb2.WorkerTimings]) -> list[list[Point]]:
     return [points for w in workers for r in w.window if (points := _report_points(r))]
 
 
-def _check(side: str, workers: list[afd_pb2.WorkerTimings]) -> None:
+def _check(side: str, workers: list[afd_pb2.WorkerTimings]) -> str:
+    """Refuses a side with no serving steps; '' when its window is long enough, else what it
+    holds (a short window is answered, as noisy)."""
     if not workers:
         raise AdviceRefused(
             f"no {side} worker reports step timings: advice needs both sides (workers report "
@@ -104,71 +104,18 @@ def _check(side: str, workers: list[afd_pb2.WorkerTimings]) -> None:
         )
     steps = sum(r.steps for w in workers for r in w.window)
     reports = sum(len(w.window) for w in workers)
-    if steps < MIN_STEPS or reports < MIN_REPORTS:
+    if steps == 0:
         raise AdviceRefused(
-            f"the {side} window is too short: {steps} serving steps in {reports} reports; need "
-            f"at least {MIN_STEPS} steps in {MIN_REPORTS} reports (send requests for a few "
-            "seconds and ask again; warm-up steps do not count)"
+            f"the {side} workers have reported no serving steps yet (warm-up steps do not "
+            "count): send requests for a few seconds and ask again"
         )
+    if steps < MIN_STEPS or reports < MIN_REPORTS:
+        return f"{steps} {side} steps in {reports} report{'s' * (reports != 1)}"
+    return ""
 
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else 0.0
-
-
-def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
-    """The value at half the total weight of (value, weight) pairs."""
-    ordered = sorted(pairs)
-    half = sum(w for _, w in ordered) / 2
-    seen = 0.0
-    for value, weight in ordered:
-        seen += weight
-        if seen >= half:
-            return value
-    return ordered[-1][0] if ordered else 0.0
-
-
-def _groups(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, int]]:
-    """(x, median y, count) per distinct x, or per one of MAX_GROUPS bins of equal count when
-    x takes more values than that."""
-    by_x: dict[float, list[float]] = {}
-    for x, y in points:
-        by_x.setdefault(x, []).append(y)
-    if len(by_x) <= MAX_GROUPS:
-        return [(x, _median(ys), len(ys)) for x, ys in sorted(by_x.items())]
-    ordered = sorted(points)
-    size = -(-len(ordered) // MAX_GROUPS)
-    chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
-    return [(_median([x for x, _ in c]), _median([y for _, y in c]), len(c)) for c in chunks]
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float, bool]:
-    """Theil-Sen y = c0 + c1*x over groups of equal x: c1 the median of the slopes between
-    every two groups that hold at least MIN_GROUP_SHARE of the points (5 at least), each slope
-    weighted by the pairs of steps it stands for (0 when that is negative); c0 the median of
-    y - c1*x; (c0, c1, whether x varied enough to fit c0). Otherwise (one size of step, or a
-    negative c0) y = c1*x through the medians."""
-    xs = [x for x, _ in points]
-    mx, my = _median(xs), _median([y for _, y in points])
-    if mx <= 0:
-        return my, 0.0, False
-    least = max(5.0, MIN_GROUP_SHARE * len(points))
-    groups = [g for g in _groups(points) if g[2] >= least]
-    slopes = [
-        ((y2 - y1) / (x2 - x1), n1 * n2)
-        for i, (x1, y1, n1) in enumerate(groups)
-        for x2, y2, n2 in groups[i + 1 :]
-        if x2 - x1 > 0.05 * mx  # steps of nearly the same size say nothing of a slope
-    ]
-    if not slopes:
-        return 0.0, my / mx, False
-    # Compute that does not grow with the step's size: flat (c1 = 0), so no ratio makes the
-    # FFN side the bottleneck (A* infinite), which a proportional line would turn around.
-    c1 = max(0.0, _weighted_median(slopes))
-    c0 = _median([y - c1 * x for x, y in points])
-    if c0 < 0:  # steps cost more than their size explains: proportional is the closer line
-        return 0.0, my / mx, False
-    return c0, c1, True
+def _steps(reports: list[list[Point]]) -> list[list[Point]]:
+    return [[p] for r in reports for p in r]
 
 
 @dataclass
@@ -181,8 +128,18 @@ class Estimate:
     ffn_tokens: float
 
     def balanced(self, layers: int) -> float:
-        c0, c1 = self.c0_step / layers, self.c1_step / layers
-        return (self.t_a_step / layers - c0) / (c1 * self.b) if c1 > 0 and self.b > 0 else math.inf
+        return balanced_ratio(
+            self.t_a_step / layers, self.c0_step / layers, self.c1_step / layers, self.b
+        )
+
+
+def balanced_ratio(t_a: float, c0: float, c1: float, b: float) -> float:
+    """A* = (T_a - c0) / (c1*b); 0 when the FFN's fixed cost alone is at or above T_a (the FFN
+    side limits at every ratio: no A balances it), infinite when the FFN does not grow with
+    tokens (c1 = 0) and stays below T_a."""
+    if c0 >= t_a:
+        return 0.0
+    return (t_a - c0) / (c1 * b) if c1 > 0 and b > 0 else math.inf
 
 
 def _estimate(attention: list[list[Point]], ffn: list[list[Point]]) -> Estimate:
@@ -216,21 +173,27 @@ def _interval(
 def advise(timings: afd_pb2.Timings) -> Advice:
     attention = [w for w in timings.workers if w.load.role == afd_pb2.ATTENTION]
     ffn = [w for w in timings.workers if w.load.role == afd_pb2.FFN]
-    _check("attention", attention)
-    _check("FFN", ffn)
+    short = [x for x in (_check("attention", attention), _check("FFN", ffn)) if x]
     layers = max(w.load.layers for w in timings.workers) or 1
     a_reports, f_reports = _reports(attention), _reports(ffn)
     rng = random.Random(0)  # the same window gives the same advice
     est = _estimate(a_reports, f_reports)
     if est.b <= 0:
         raise AdviceRefused("the attention workers report 0 tokens per step: no traffic yet")
+    if est.t_a_step <= 0 or _median([y for r in f_reports for _, y, _ in r]) <= 0:
+        raise AdviceRefused(
+            "a side reports no compute time (0 ms per step): its reporter measures nothing; "
+            "check that it calls timings.step(compute_s=...) with the step's compute"
+        )
     a_compute = [c for r in a_reports for _, c, _ in r]
     a_noise = 1.4826 * _median([abs(c - est.t_a_step) for c in a_compute]) / est.t_a_step
     f_points = [p for r in f_reports for p in r]
     f_mean = _median([y for _, y, _ in f_points])
     f_residual = _median([abs(y - (est.c0_step + est.c1_step * x)) for x, y, _ in f_points])
     f_noise = f_residual / f_mean if f_mean > 0 else math.inf
-    lo, hi = _interval(a_reports, f_reports, layers, rng)
+    # A short window has too few reports to resample: its steps are resampled instead.
+    units = (_steps(a_reports), _steps(f_reports)) if short else (a_reports, f_reports)
+    lo, hi = _interval(*units, layers, rng)
     # A lopsided spread of resamples can leave the window's own estimate outside their 90%:
     # the interval then reaches out to it.
     a_star = est.balanced(layers)
@@ -253,12 +216,18 @@ def advise(timings: afd_pb2.Timings) -> Advice:
         f"{'>' if bottleneck == 'ffn' else '<='} T_a(b) = {1e3 * t_a:.3f} ms; attention waits "
         f"{a_wait:.0%} of its busy time, the FFN side {f_wait:.0%}"
     )
-    balanced = (t_a - c0) / (c1 * b) if c1 > 0 else math.inf
+    balanced = balanced_ratio(t_a, c0, c1, b)
     notes: list[str] = []
     lo, hi = interval
-    wide = not math.isfinite(hi) or hi - lo > 0.5 * balanced
-    noisy = a_noise > MAX_NOISE or f_noise > MAX_NOISE or wide
-    if noisy:
+    wide = not math.isfinite(hi) or hi - lo > 0.5 * max(balanced, 1.0)
+    noisy = a_noise > MAX_NOISE or f_noise > MAX_NOISE or wide or bool(short)
+    if short:
+        notes.append(
+            f"short window: {' and '.join(short)} (firm advice takes {MIN_STEPS} serving steps "
+            f"in {MIN_REPORTS} reports a side); A* lies in [{lo:.2f}, {hi:.2f}] over resamples "
+            "of its steps (90%): ask again after a few seconds of traffic"
+        )
+    elif noisy:
         notes.append(
             f"noisy window: attention compute varies by {a_noise:.0%} from step to step "
             f"(robust), FFN compute strays {f_noise:.0%} from its fit; A* lies in "
@@ -298,7 +267,13 @@ def advise(timings: afd_pb2.Timings) -> Advice:
             "(c1 = 0): no attention:FFN ratio makes the FFN side the bottleneck in this model "
             "(A* is infinite; the candidates show where attention keeps it)"
         )
-    if balanced < 1:
+    if balanced == 0:
+        notes.append(
+            f"the FFN's fixed cost alone (c0 = {1e3 * c0:.3f} ms a layer) is at or above "
+            f"attention's T_a(b) = {1e3 * t_a:.3f} ms: the FFN side limits at every ratio, and "
+            "more FFN than attention workers lies outside this model (A* = 0)"
+        )
+    elif balanced < 1:
         notes.append(
             f"A* = {balanced:.2f} < 1: the FFN side is slower than attention even at 1:1; "
             "more FFN than attention workers lies outside this model (FFN time per worker would "

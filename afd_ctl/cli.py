@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="From the workers' rolling timing windows: which side is the bottleneck, "
         "the attention:FFN ratio that balances them (formula and inputs shown) and the "
         "predicted tokens/s per GPU of a few ratios, from medians of serving steps, with the "
-        "ratio's interval (a noisy window is answered and says so). Refuses only without data: "
-        "a side that does not report, or fewer than 50 steps in 3 reports (exit 3).",
+        "ratio's interval (a noisy or short window is answered and says so). Refuses only "
+        "without data: a side that does not report or has no serving step yet, no tokens or "
+        "no compute time (exit 3).",
     )
     client_flags(advise)
     advise.add_argument("--json", action="store_true")

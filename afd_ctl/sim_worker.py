@@ -41,9 +41,13 @@ def expected_counts(step_id: int, stage: int, dp_size: int) -> list[int]:
     return [(step_id * 7 + rank * 13 + stage * 31) % 97 for rank in range(dp_size)]
 
 
+def is_warmup_step(step_id: int) -> bool:
+    return step_id <= 2  # published as warm-up, and reported as such (as vLLM workers do)
+
+
 def make_payload(step_id: int, dp_size: int, stages: int) -> afd_pb2.AFDControlPayload:
     counts = [expected_counts(step_id, stage, dp_size) for stage in range(stages)]
-    return Step.of(step_id, counts, flags=StepFlags(is_warmup=step_id <= 2)).to_payload()
+    return Step.of(step_id, counts, flags=StepFlags(is_warmup=is_warmup_step(step_id))).to_payload()
 
 
 def modelled(args: argparse.Namespace) -> bool:
@@ -84,6 +88,7 @@ def model_step(
         compute_s=layers * own,
         wait_s=layers * wait,
         tokens=tokens if args.role == "attention" else ffn_tokens,
+        warmup=is_warmup_step(step_id),
     )
 
 
@@ -277,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--model-jitter", type=float, default=0.0, help="relative, uniform")
     model.add_argument("--model-sleep", action="store_true", help="spend each modelled step")
     model.add_argument("--timings-interval-s", type=float, default=1.0)
+    model.add_argument(
+        "--timings-no-final-flush",
+        action="store_true",
+        help="leave the last steps' report to the reporter's idle timer (what a serving worker "
+        "that goes idle relies on) instead of sending it before the JSON report",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     role = Role.parse(args.role)
@@ -297,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         client.connect(args.timeout)
         report = run_attention(client, args) if role is Role.ATTENTION else run_ffn(client, args)
         if modelled(args):
-            client.timings.flush()
+            if not args.timings_no_final_flush:
+                client.timings.flush()
             report["timing_reports"] = client.timings.sent
     except AfdError as exc:
         print(json.dumps({"role": args.role, "error": f"{type(exc).__name__}: {exc}"}))

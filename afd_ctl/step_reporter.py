@@ -5,7 +5,9 @@ the reporter hands one `StepTimings` (sums, plus per-step compute and wait for h
 `send`, which queues it on the Session stream without blocking (a full queue drops it). A
 timer thread (started by the first step) also sends what is pending once the worker has been
 idle for `idle_flush_s`, so `afd-ctl status` is current within about half a second of the last
-step instead of waiting for the next one. Warm-up, profile and capture steps (`warmup=True`)
+step instead of waiting for the next one. The timer sleeps while nothing is pending (the first
+step of a report wakes it) and otherwise until that report falls due: no wake-ups of an idle
+worker, one of a busy worker per `idle_flush_s`. Warm-up, profile and capture steps (`warmup=True`)
 go in reports of their own, which the daemon counts apart from serving. Spans are recorded
 only while the daemon has asked for a trace (`afd-ctl trace`): `tracing(step_id)` is one
 comparison when it has not, so tracing costs nothing when off.
@@ -54,7 +56,9 @@ class StepReporter:
         self._since = clock()
         self._last_step_at = 0.0
         self._timer: threading.Thread | None = None
-        self._closed = threading.Event()
+        # Set (under _pending_lock) when a report starts pending or the reporter closes.
+        self._wake = threading.Condition(self._pending_lock)
+        self._closed = False
         # Trace state; the session thread sets it, the step thread reads and clears it.
         self._lock = threading.Lock()
         self._trace: afd_pb2.TraceSpans | None = None
@@ -89,6 +93,7 @@ class StepReporter:
             if p.steps == 0:
                 p.first_step_id = step_id
                 p.warmup = warmup
+                self._wake.notify()  # the timer sleeps until a report is pending
             p.last_step_id = step_id
             p.steps += 1
             p.busy_wall_s += wall_s if wall_s is not None else compute_s + wait_s + send_s
@@ -129,28 +134,37 @@ class StepReporter:
     # -- the timer thread ----------------------------------------------------------------
     def _start_timer(self) -> None:
         with self._pending_lock:
-            if self._timer is not None or self._closed.is_set():
+            if self._timer is not None or self._closed:
                 return
             self._timer = threading.Thread(
                 target=self._flush_when_idle, name="afd-step-reporter", daemon=True
             )
         self._timer.start()
 
+    def _due_in(self, now: float) -> float | None:
+        """Seconds until the pending report must go (0: now); None when nothing is pending."""
+        if not self._pending.steps:
+            return None
+        idle_at = self._last_step_at + self.idle_flush_s
+        return max(0.0, min(idle_at, self._since + self.interval_s) - now)
+
     def _flush_when_idle(self) -> None:
-        tick = max(0.01, min(self.idle_flush_s, self.interval_s) / 2)
-        while not self._closed.wait(tick):
-            with self._pending_lock:
-                if not self._pending.steps:
+        with self._pending_lock:
+            while not self._closed:
+                due = self._due_in(self.clock())
+                if due is None or due > 0:
+                    # Nothing pending: until a step comes. Pending: until it falls due (a step
+                    # meanwhile moves the idle deadline on; checked again on waking).
+                    self._wake.wait(due)
                     continue
-                now = self.clock()
-                idle = now - self._last_step_at >= self.idle_flush_s
-                if idle or now - self._since >= self.interval_s:
-                    self._flush_locked(now)
+                self._flush_locked()
 
     def close(self) -> None:
         """Sends what is pending and stops the timer."""
-        self._closed.set()
-        self.flush()
+        with self._pending_lock:
+            self._closed = True
+            self._wake.notify()
+            self._flush_locked()
 
     # -- tracing -------------------------------------------------------------------------
     def tracing(self, step_id: int) -> bool:

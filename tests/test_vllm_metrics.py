@@ -70,7 +70,8 @@ def afd_ctl(address: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def advice_under_steady_traffic(servers, streams: int = 4, bound_s: float = 60) -> dict:
     """`streams` clients each send one request after another; `afd-ctl advise --json` is asked
-    every second until it answers (within `bound_s`). Then the traffic stops, and within a
+    every second, answering each time, until its window is no longer short (within `bound_s`).
+    Then the traffic stops, and within a
     second the daemon's newest attention report names the last relayed step. Returns the advice
     with the seconds it took (`answered_after_s`) and the status at the end."""
     stop = threading.Event()
@@ -91,15 +92,19 @@ def advice_under_steady_traffic(servers, streams: int = 4, bound_s: float = 60) 
         thread.start()
     try:
         while True:
+            # The pair has served requests: every ask is answered, first from a short window
+            # (said in a note), within seconds from a full one.
             out = afd_ctl(address, "advise", "--json")
-            if out.returncode == 0:
+            assert out.returncode == 0, out.stderr
+            advice = json.loads(out.stdout)
+            if not any(note.startswith("short window") for note in advice["notes"]):
                 break
-            assert out.returncode == 3, out.stderr  # refused: not enough data yet
-            assert time.monotonic() - start < bound_s, f"no advice in {bound_s} s: {out.stderr}"
+            assert time.monotonic() - start < bound_s, f"a short window after {bound_s} s: {advice}"
             time.sleep(1)
-        advice = json.loads(out.stdout)
         advice["answered_after_s"] = time.monotonic() - start
-        print(afd_ctl(address, "advise").stdout)  # what the README shows
+        print(f"advise answered {advice['answered_after_s']:.1f} s after the traffic started")
+        text = afd_ctl(address, "advise")  # what the README shows
+        print(text.stdout, text.stderr)
     finally:
         stop.set()
         for thread in threads:
@@ -118,6 +123,7 @@ def advice_under_steady_traffic(servers, streams: int = 4, bound_s: float = 60) 
             assert time.monotonic() - idle_at < 1.5, (ends, status.last_step_id)
             time.sleep(0.05)
     advice["status"] = json.loads(to_json(status))
+    print("LOAD" + afd_ctl(address, "status").stdout.split("LOAD", 1)[-1].split("\n\n", 1)[0])
     return advice
 
 
@@ -175,9 +181,10 @@ def test_attention_and_ffn_metrics(
     advice = advice_under_steady_traffic(servers)
     assert advice["answered_after_s"] < 60
     assert advice["recommended"].endswith(":1")
-    # A* and its interval; None (JSON's stand-in for infinity) where the FFN never limits.
+    # A* and its interval; None (JSON's stand-in for infinity) where the FFN never limits, 0
+    # where it limits at every ratio (a loaded host can make the FFN that slow).
     a_star, (lo, hi) = advice["balanced_ratio"], advice["balanced_ratio_interval"]
-    assert lo is not None and lo > 0, advice
+    assert lo is not None and lo >= 0, advice
     assert a_star is None or (lo <= a_star and (hi is None or a_star <= hi)), advice
     loads = {x["role"]: x for x in advice["status"]["loads"]}
     assert set(loads) == {"ATTENTION", "FFN"}
