@@ -14,7 +14,9 @@ refuses the run, naming it; everything else decode_runner refuses stays refused.
 engine runs dual-batch overlap (`--enable-dbo`, vLLM's decode threshold), GPU only (vLLM's
 micro-batching needs CUDA); `afd_relay` is the AFD pair with `AFD_DIRECT_PAYLOADS=0` (each step
 payload reaches the FFN server through afd-ctl's relay only, as before afd_ctl.direct), so
-`--part afd_relay,afd` measures the direct path in one call. Every later part is compared with every earlier one
+`--part afd_relay,afd` measures the direct path in one call; `afd_unbatched` is the AFD pair
+with `AFD_PUBLISH_COALESCE_S=0` (the sender's copies to afd-ctl one message per step), so
+`--part afd_unbatched,afd` measures the coalescing window in one call. Every later part is compared with every earlier one
 (`ratio_tpot_afd_dbo_vs_afd`, `ratio_tpot_afd_dbo_vs_colocated`, ...). One H200 holds two
 V3-shaped engines of 3 layers, not three: there, `colocated,afd_dbo` and `afd,afd_dbo` are two
 calls.
@@ -66,10 +68,13 @@ def _runner(
     ]  # fmt: skip
 
 
-INTERLEAVED_PARTS = ("colocated", "afd", "afd_relay", "afd_dbo")
+INTERLEAVED_PARTS = ("colocated", "afd", "afd_relay", "afd_unbatched", "afd_dbo")
 AFD_PARTS = INTERLEAVED_PARTS[1:]
 # The afd_relay part: step payloads through afd-ctl's relay only (no direct copy on the host).
 RELAY_ONLY = {"AFD_DIRECT_PAYLOADS": "off"}
+# The afd_unbatched part: the sender's copies to afd-ctl never wait for the next payload (one
+# gRPC message per step, as before the coalescing window).
+PART_ENV = {"afd_relay": RELAY_ONLY, "afd_unbatched": {"AFD_PUBLISH_COALESCE_S": "0"}}
 
 
 def parts_of(args: argparse.Namespace) -> list[str]:
@@ -131,8 +136,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             procs.append(daemon)
             part_timeline = str(timeline_dir / part)
             part_env = {**env, "AFD_TIMELINE_DIR": part_timeline}
-            if part == "afd_relay":
-                part_env.update(RELAY_ONLY)
+            part_env.update(PART_ENV.get(part, {}))
             ffn_log = tmp / f"ffn-{part}-{depth}.log"
             if args.gpu:
                 argv = [
@@ -142,8 +146,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
                 ffn_procs[part] = Proc(argv, ffn_log, part_env)
             else:
                 ffn_env = {**vllm_env(), "AFD_TIMELINE_DIR": part_timeline}
-                if part == "afd_relay":
-                    ffn_env.update(RELAY_ONLY)
+                ffn_env.update(PART_ENV.get(part, {}))
                 ffn_procs[part] = Proc(
                     ffn_argv(model, daemon.address, *ffn_flags), ffn_log, ffn_env
                 )

@@ -207,3 +207,17 @@ def test_the_setting_is_auto_on_or_off():
     assert AfdConfig.resolve(section, {"AFD_DIRECT_PAYLOADS": "on"}).direct_payloads == "on"
     with pytest.raises(ValueError, match=r"direct_payloads must be one of \('auto', 'on', 'off'\)"):
         AfdConfig.resolve({**section, "direct_payloads": "maybe"}, {})
+
+
+def test_the_coalescing_window_is_a_setting():
+    from vllm_ext.config import AfdConfig
+    from vllm_ext.control import ControlAccess
+
+    section = {"role": "attention", "controller": "localhost:50051"}
+    afd = AfdConfig.resolve(section, {})
+    assert afd.publish_coalesce_s == direct.RELAY_COALESCE_S
+    assert ControlAccess.of(afd).publish_coalesce_s == direct.RELAY_COALESCE_S
+    off = AfdConfig.resolve(section, {"AFD_PUBLISH_COALESCE_S": "0"})
+    assert ControlAccess.of(off).publish_coalesce_s == 0.0
+    with pytest.raises(ValueError, match=r"publish_coalesce_s must be in 0..1 s, got 5"):
+        AfdConfig.resolve({**section, "publish_coalesce_s": 5}, {})

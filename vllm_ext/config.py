@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from afd_ctl.config import parse_setting
+from afd_ctl.direct import RELAY_COALESCE_S
 from afd_ctl.routing import Role
 
 ROLES = tuple(role.label for role in Role)  # as --afd-role spells them
@@ -103,6 +104,10 @@ class AfdConfig:
     # makes the FFN host poll for rows longer, which on a CPU machine of few cores slows the
     # attention side); "on": on either path; "off": the relay only.
     direct_payloads: str = "auto"
+    # While every FFN subscriber takes the payloads directly on the GPU-driven path, the
+    # sender's copies to afd-ctl may wait this long for the next ones, to go several to a
+    # message (afd_ctl.publisher): status and taps see payloads that much later. 0: never wait.
+    publish_coalesce_s: float = RELAY_COALESCE_S
 
     def __post_init__(self) -> None:
         try:
@@ -140,6 +145,10 @@ class AfdConfig:
         if self.weights_digest not in ("content", "headers"):
             raise ValueError(
                 f"afd weights_digest must be content or headers, got {self.weights_digest!r}"
+            )
+        if not 0 <= self.publish_coalesce_s <= 1:
+            raise ValueError(
+                f"afd publish_coalesce_s must be in 0..1 s, got {self.publish_coalesce_s}"
             )
         if isinstance(self.direct_payloads, bool):  # JSON true / false
             object.__setattr__(self, "direct_payloads", "on" if self.direct_payloads else "off")

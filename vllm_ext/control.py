@@ -70,6 +70,8 @@ class ControlAccess:
     # Step payloads also straight between the sender and its FFN workers on this host (afd
     # direct_payloads: "auto" on the GPU-driven path, "on", "off").
     direct_payloads: str = "off"
+    # How long the sender's copies to afd-ctl may wait for the next (afd publish_coalesce_s).
+    publish_coalesce_s: float = 0.0
 
     @classmethod
     def of(cls, afd: AfdConfig) -> ControlAccess:
@@ -87,7 +89,14 @@ class ControlAccess:
         else:
             tls = ClientTls.from_env()
         token = _token(afd.auth_token_file)
-        return cls(afd.controller, tls, token, afd.refused_timeout_s, afd.direct_payloads)
+        return cls(
+            afd.controller,
+            tls,
+            token,
+            afd.refused_timeout_s,
+            afd.direct_payloads,
+            afd.publish_coalesce_s,
+        )
 
     def describe(self) -> str:
         """For a log line: how afd-ctl is reached, without the token."""

@@ -85,6 +85,7 @@ class PeerLink(Generic[E]):
         self.sender: direct.DirectSender | None = None
         self.inbox: direct.DirectInbox | None = None
         self._direct: str = access.direct_payloads
+        self._coalesce_s = access.publish_coalesce_s
         sock = _step_socket(who) if self._direct != "off" else None
         if sock is not None:
             spec = dataclasses.replace(spec, step_socket=sock.name)
@@ -146,9 +147,9 @@ class PeerLink(Generic[E]):
     def _publish_window(self) -> float:
         """How long afd-ctl's copy of a payload may wait for the next ones: while the
         GPU-driven exchange runs (its FFN side takes direct payloads) and every subscriber gets
-        them directly, that copy is off the step's path (afd_ctl.direct.RELAY_COALESCE_S)."""
+        them directly, that copy is off the step's path (afd publish_coalesce_s)."""
         sender, gpu_driven = self.sender, self.exchanges.gpu_driven
-        return direct.RELAY_COALESCE_S if sender and sender.covers_all and gpu_driven else 0.0
+        return self._coalesce_s if sender and sender.covers_all and gpu_driven else 0.0
 
     def send_direct(self, payload: afd_pb2.AFDControlPayload) -> None:
         """An attention sender: `payload` (published, so stamped) to its FFN subscribers on
