@@ -3,7 +3,7 @@
 Plain threads, no asyncio (vLLM workers are not asyncio). `ControllerClient` is the facade
 over three parts: the session link (`session_link.py`: the stream, reconnect with backoff,
 heartbeats), the membership view (`membership_view.py`: the state and every `wait_*`) and the
-publisher (`publisher.py`: attention senders' one long-lived Publish stream, so `publish`
+publisher (`publisher.py`: attention senders' one long-lived PublishBatch stream, so `publish`
 never blocks the step). FFN workers take payloads with `next_payload(timeout_s)`. Membership
 changes surface as typed exceptions, in stream order:
 
@@ -67,7 +67,8 @@ class ControllerClient:
         self._listeners: list[EventListener] = []
         self._retired = False
         self._view = MembershipView(target)
-        self._publisher = Publisher(stub, metadata, spec.worker_id, self._publish_secret)
+        # Its coalescing window (`window`) and what it sent (`sent`) are the data plane's.
+        self.publisher = Publisher(stub, metadata, spec.worker_id, self._publish_secret)
         register = afd_pb2.RegisterRequest(
             role=ROLE_TO_PROTO.get(spec.role, afd_pb2.ROLE_UNSPECIFIED),
             dp_rank=spec.dp_rank,
@@ -217,9 +218,9 @@ class ControllerClient:
         if which == "registered":
             # The publish lock first (the order publishing takes them in): no stream can open
             # with the old secret once the new one is here.
-            with self._publisher.lock, self._view.cond:
+            with self.publisher.lock, self._view.cond:
                 # A new session: the open publish stream is bound to the old one.
-                self._publisher.retire()
+                self.publisher.retire()
                 again = self._view.on_registered(message.registered)
             log.info(
                 "%s afd-ctl as %s rank %d, epoch %d",
@@ -289,12 +290,7 @@ class ControllerClient:
             self.stamp(payload)
         else:
             self._check_publishable(payload)
-        self._publisher.put(payload)
-
-    def coalesce_publishes(self, window: Callable[[], float]) -> None:
-        """`window()`: how long the publish stream may hold a payload for the next ones
-        (seconds, 0: not at all), asked per message (afd_ctl.publisher)."""
-        self._publisher.window = window
+        self.publisher.put(payload)
 
     def stamp(self, payload: afd_pb2.AFDControlPayload) -> None:
         """Fills in the current epoch and this worker's role rank, as `publish` does, raising
@@ -304,18 +300,18 @@ class ControllerClient:
         self._view.stamp(payload)
 
     def _check_publishable(self, payload: afd_pb2.AFDControlPayload) -> None:
-        self._publisher.raise_rejection()
+        self.publisher.raise_rejection()
         if not payload.stop:
             self._view.raise_condition()
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Half-closes the publish stream and waits until the daemon has read everything;
         raises the first rejection, if any. The next publish opens a new stream."""
-        self._publisher.flush(timeout_s)
+        self.publisher.flush(timeout_s)
 
     def discard_rejections(self) -> None:
         """Drops refusals not yet raised (after a reconnect they are about older payloads)."""
-        self._publisher.discard_rejections()
+        self.publisher.discard_rejections()
 
     # -- shutdown ------------------------------------------------------------------------
     @property
@@ -338,7 +334,7 @@ class ControllerClient:
         and every peer's PEER_LOST event says "left: <reason>"."""
         self.timings.close()  # its last steps go before the session ends
         self._link.begin_close(reason)
-        self._publisher.close()
+        self.publisher.close()
         self._link.close(timeout_s)
         self._channel.close()
 

@@ -80,6 +80,7 @@ class Publisher:
         self._stream: _Stream | None = None  # guarded by lock
         # Seconds the stream's thread waits after a payload for more (0: sends at once).
         self.window: Callable[[], float] = lambda: 0.0
+        self.sent = Sent()
 
     def raise_rejection(self) -> None:
         """Raises the oldest refusal not yet raised, if any."""
@@ -106,7 +107,7 @@ class Publisher:
                 (WORKER_ID_METADATA, self._worker_id),
                 (PUBLISH_SECRET_METADATA, self._secret()),
             )
-            batches = _batches(requests, lambda: self.window())
+            batches = _batches(requests, lambda: self.window(), self.sent)
             call = self._stub.PublishBatch(batches, metadata=metadata)
             stream = self._stream = _Stream(requests, call)
             threading.Thread(
@@ -165,8 +166,21 @@ class Publisher:
                 self._stream.requests.put(None)
 
 
+class Sent:
+    """Messages and payloads a publisher's streams sent (written by the stream's thread)."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+        self.payloads = 0
+
+    def stats(self) -> dict[str, float]:
+        if not self.messages:
+            return {}
+        return {"publish_payloads_per_message": round(self.payloads / self.messages, 2)}
+
+
 def _batches(
-    requests: Requests, window: Callable[[], float]
+    requests: Requests, window: Callable[[], float], sent: Sent
 ) -> Iterator[afd_pb2.AFDControlPayloads]:
     """The stream's messages: what queued, in order, at most MAX_BATCH payloads each; ends at
     the None that half-closes the stream (after the payloads queued before it)."""
@@ -187,6 +201,8 @@ def _batches(
                 ended = True
                 break
             batch.append(item)
+        sent.messages += 1
+        sent.payloads += len(batch)
         yield afd_pb2.AFDControlPayloads(payloads=batch)
         if ended:
             return

@@ -85,7 +85,7 @@ class PeerLink(Generic[E]):
         self.sender: direct.DirectSender | None = None
         self.inbox: direct.DirectInbox | None = None
         self._direct: str = access.direct_payloads
-        self._coalesce_s = access.publish_coalesce_s
+        self._coalesce_s: float = access.publish_coalesce_s
         sock = _step_socket(who) if self._direct != "off" else None
         if sock is not None:
             spec = dataclasses.replace(spec, step_socket=sock.name)
@@ -98,7 +98,7 @@ class PeerLink(Generic[E]):
         self.plane = exchanges.plane
         self.client: ControllerClient = access.client(spec, self.plane.blob())
         if self.sender is not None:
-            self.client.coalesce_publishes(self._publish_window)
+            self.client.publisher.window = self._publish_window
         # Per-step timings to afd-ctl (issue 26): `afd-ctl status`, `advise`, `trace`.
         exchanges.reporting.timings = ExchangeTimings(self.client.timings)
         self.client.timings.layers = spec.model.num_layers if spec.model is not None else 0

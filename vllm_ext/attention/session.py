@@ -1,7 +1,6 @@
 """One attention worker's AFD session: its link to afd-ctl (registration, views, reconnects,
 stop), its data plane and exchange (vllm_ext.exchange), and the step state machine the runner
-drives (`steps`, vllm_ext.attention.steps), to which it is the `StepLink`. Waits are bounded.
-"""
+drives (`steps`, vllm_ext.attention.steps), to which it is the `StepLink`. Waits are bounded."""
 
 from __future__ import annotations
 
@@ -192,9 +191,10 @@ class AttentionSession:
         self._full_graphs = full_graphs
 
     def stats(self) -> dict[str, float]:
-        """The exchange's split on this rank (its stats()) and AFD's host time per step."""
+        """The exchange's split on this rank, AFD's host time per step, payloads per message."""
         exchange = self._link.exchange if self._link is not None else None
-        return {**(exchange.stats() if exchange else {}), **self.steps.host_time.stats()}
+        sent = self.client.publisher.sent.stats() if self.client is not None else {}
+        return {**(exchange.stats() if exchange else {}), **self.steps.host_time.stats(), **sent}
 
     # -- the step machine's link (vllm_ext.attention.steps.StepLink) ---------------------------
     def exchange_for_step(self) -> AttentionExchange:
