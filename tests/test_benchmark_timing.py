@@ -424,14 +424,19 @@ def test_afd_host_time_per_step_parts() -> None:
     host = HostTime()
     assert host.stats() == {}
     for _ in range(3):
-        host._step.update(open=100e-6, publish=40e-6, close=20e-6)
+        host._step.update(open=100e-6, publish=40e-6, close=20e-6, connect=5e-6, begin=15e-6)
         host.step_done()
     assert host.stats() == {
         "afd_host_us_open_median": 60.0,
         "afd_host_us_publish_median": 40.0,
         "afd_host_us_close_median": 20.0,
+        "afd_host_us_open_connect_median": 5.0,
+        "afd_host_us_open_begin_median": 15.0,
+        "afd_host_us_open_retired_median": 0.0,
         "afd_host_us_per_step_median": 120.0,
     }
+    started = host.start()
+    assert host.add("retired", started) >= started  # the next part starts where it ended
 
 
 def test_ffn_warm_up_covers_odd_row_counts_below_each_size() -> None:

@@ -238,3 +238,32 @@ def test_gpu_path_reports_reach_status_and_trace(start_daemon, side, tmp_path: P
         stop.set()
         for client in (attn, ffn):
             client.close()
+
+
+def test_a_retired_steps_events_are_recorded_again_for_a_new_step(monkeypatch) -> None:
+    """The GPU-driven exchange takes its steps' timing events from a pool: a step's two events
+    go back once it ran to its end and was reported, and the next step records them again
+    instead of creating CUDA events (at most `keep` kept)."""
+    import torch
+
+    from vllm_ext.exchange import gpu
+
+    class FakeEvent:  # torch.cuda.Event without a GPU
+        created = 0
+
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            FakeEvent.created += 1
+            self.records = 0
+
+        def record(self) -> None:
+            self.records += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    pool = gpu.EventPool(keep=2)
+    first = [pool.recorded(), pool.recorded(), pool.recorded()]
+    assert FakeEvent.created == 3
+    pool.give_back(*first, None)  # a capture step has no start event
+    again = [pool.recorded(), pool.recorded(), pool.recorded()]
+    assert FakeEvent.created == 4  # two reused (keep=2), one new
+    assert sorted(e.event.records for e in again) == [1, 2, 2]

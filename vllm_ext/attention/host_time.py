@@ -15,8 +15,10 @@ import time
 from collections import deque
 
 WINDOW = 1000
-# "open" is the whole of open_step, its "publish" included.
-PARTS = ("open", "publish", "close")
+# "open" is the whole of open_step, its "publish" included; "connect" (the exchange to run on),
+# "begin" (the exchange's begin_step) and "retired" (steps that ran to their end, reported)
+# are parts of "open" too, apart from "publish".
+PARTS = ("open", "publish", "close", "connect", "begin", "retired")
 
 
 class HostTime:
@@ -28,8 +30,11 @@ class HostTime:
         """A part begins; pass what this returns to `add`."""
         return time.perf_counter()
 
-    def add(self, part: str, started: float) -> None:
-        self._step[part] += time.perf_counter() - started
+    def add(self, part: str, started: float) -> float:
+        """Adds the part's time since `started`; returns now (the next part's start)."""
+        now = time.perf_counter()
+        self._step[part] += now - started
+        return now
 
     def step_done(self) -> None:
         """The step closed: its parts join the window."""
@@ -37,14 +42,16 @@ class HostTime:
         self._step = dict.fromkeys(PARTS, 0.0)
 
     def stats(self) -> dict[str, float]:
-        """Medians over the window, µs: "open" without its "publish", and the step's sum."""
+        """Medians over the window, µs: "open" without its "publish", its own parts, "close",
+        and the step's sum."""
         if not self._recent:
             return {}
-        opens, publishes, closes = zip(*self._recent, strict=True)
+        opens, publishes, closes, *inner = zip(*self._recent, strict=True)
         parts = {
             "open": [o - p for o, p in zip(opens, publishes, strict=True)],
             "publish": publishes,
             "close": closes,
+            **{f"open_{name}": values for name, values in zip(PARTS[3:], inner, strict=True)},
         }
         out = {
             f"afd_host_us_{part}_median": round(1e6 * statistics.median(values), 1)

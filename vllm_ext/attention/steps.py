@@ -161,7 +161,9 @@ class AttentionSteps:
         step_id = self.next_step_id()
         with self._failing(step_id):
             # Reconnected first (a loss, a planned change): counts of the step's epoch.
+            connecting = self.host_time.start()
             exchange = self.link.exchange_for_step()
+            self.host_time.add("connect", connecting)
             counts = self._counts(num_tokens, across_dp)
             per_stage = [[rows] * len(counts) for rows in stage_rows] if stage_tokens else [counts]
             step = Step.of(step_id, per_stage, flags=flags)
@@ -172,11 +174,13 @@ class AttentionSteps:
                 )
             # Data-plane state first (buffers for this step), then the control message; the
             # step counts as open (see _finish_abandoned_step) only once it is published.
+            begun = self.host_time.start()
             exchange.begin_step(step)
-            published = self.host_time.start()
+            published = self.host_time.add("begin", begun)
             self.link.publish(step)
-            self.host_time.add("publish", published)
+            retiring = self.host_time.add("publish", published)
             exchange.published()
+            self.host_time.add("retired", retiring)
             self._step, self._exchange, self._stage_rows = step, exchange, stage_rows
             self._layers_done = [0] * len(stage_rows)
             self._forwards_left = len(stage_rows)

@@ -46,13 +46,36 @@ class CudaEvent:
 
     def __init__(self) -> None:
         self.event = torch.cuda.Event(enable_timing=True)
+
+    def record(self) -> CudaEvent:
         self.event.record()
+        return self
 
     def query(self) -> bool:
         return bool(self.event.query())
 
     def elapsed_s(self, end: Any) -> float:
         return float(self.event.elapsed_time(end.event)) / 1e3
+
+
+class EventPool:
+    """Timing events of retired steps, recorded again for new ones: a new torch.cuda.Event per
+    step and side creates (and, once dropped, destroys) a CUDA event, driver calls on the
+    host's path that MPS makes dearer. One host thread takes and gives back."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._free: list[CudaEvent] = []
+        self._keep = keep
+
+    def recorded(self) -> CudaEvent:
+        """An event recorded now on the current stream."""
+        return (self._free.pop() if self._free else CudaEvent()).record()
+
+    def give_back(self, *events: Any) -> None:
+        """Events of a step that ran to its end, read for the last time."""
+        for event in events:
+            if isinstance(event, CudaEvent) and len(self._free) < self._keep:
+                self._free.append(event)
 
 
 def _stream() -> int:
@@ -78,6 +101,7 @@ class _GpuSide:
         self._row_bytes += config.router_width * config.router_itemsize
         self._gpu_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self.timeline = Timeline(plane.role.label, plane.rank)
+        self.events = EventPool()
 
     def _report_retired(self) -> None:
         """Steps that ran to their end, into the step timings (on the host's thread)."""
@@ -88,6 +112,7 @@ class _GpuSide:
             if timings is not None:
                 timings.gpu_step(retired)
             self.timeline.step(retired)
+            self.events.give_back(retired.start, retired.end)
 
     def _nbytes(self, rows: int) -> int:
         """Bytes both ways over every layer of a step of `rows` rows."""
@@ -154,7 +179,7 @@ class GpuAttentionExchange(_GpuSide):
         self._step = step
         self._opened_at = self._published_at = time.monotonic()
         # A FULL-graph capture step records the exchange and runs nothing: no events.
-        self._start = None if step.flags.records_only else CudaEvent()
+        self._start = None if step.flags.records_only else self.events.recorded()
 
     def published(self) -> None:
         """The payload is out: the steps retired since the last one are reported now, off
@@ -187,7 +212,7 @@ class GpuAttentionExchange(_GpuSide):
             InFlight(
                 step.step_id,
                 self._start,
-                CudaEvent(),
+                self.events.recorded(),
                 self.bound_s,
                 enqueued_at=now,
                 host_s=now - self._opened_at,
@@ -251,7 +276,7 @@ class GpuFfnExchange(_GpuSide):
         self.bound_s = self.plane.bound_s(step)
         t0 = time.perf_counter()
         opened = time.monotonic()
-        start = CudaEvent()
+        start = self.events.recorded()
         mode = step.flags.graph_mode(self.step_graphs.enabled)
         with self.engine.step_scope():
             if mode != EAGER:
@@ -260,7 +285,7 @@ class GpuFfnExchange(_GpuSide):
                 enqueue()
         now = time.monotonic()
         rows = sum(plan.total_rows)
-        end = CudaEvent()
+        end = self.events.recorded()
         self.watchdog.enqueue(
             InFlight(
                 step.step_id,

@@ -34,6 +34,8 @@ POISON_EVERY_S = 200e-6
 # After the poison: a stream that still has not drained waits on something nothing releases.
 POISONED_DRAIN_S = 10.0
 POLL_S = 1e-3
+# The watchdog thread's wait while no step is in flight (enqueue does not wake it).
+IDLE_S = 0.05
 # The thread's round while steps are in flight. Each round takes the GIL from vLLM's runner
 # thread; a loss or an overrun is seen within this much more (the bounds are seconds), and a
 # verdict never waits on it (it retires finished steps itself).
@@ -127,7 +129,8 @@ class StepWatchdog:
                 self._inflight.append(step)  # drained (and poisoned) like the others
             else:
                 self._inflight.append(step)
-            self._cond.notify_all()
+            # No notify: waking the watchdog's thread per step took the interpreter lock from
+            # the engine's; it looks within its idle wait (IDLE_S), far inside any bound.
 
     def verdict(self, step_ids: Iterable[int], bound_s: float) -> None:
         """Raises AfdPeerLost or AfdTimeout if any of these steps failed; waits (bounded) for
@@ -296,7 +299,7 @@ class StepWatchdog:
             while not self._stop.is_set():
                 with self._cond:
                     if not self._inflight:
-                        self._cond.wait(0.05)
+                        self._cond.wait(IDLE_S)
                         continue
                 self.poll()
                 self._sleep(WATCH_S)
