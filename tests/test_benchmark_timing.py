@@ -5,7 +5,9 @@ spread gives. Pure logic: no vLLM, no processes."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from typing import Any
 
 import pytest
 
@@ -444,3 +446,32 @@ def test_ffn_warm_up_covers_odd_row_counts_below_each_size() -> None:
 
     assert warm_sizes(16) == [1, 2, 3, 4, 7, 8, 15, 16]
     assert warm_sizes(1) == [1]
+
+
+def test_a_timeline_line_is_json_with_the_steps_stamps(tmp_path, monkeypatch) -> None:
+    """vllm_ext.exchange.timeline writes one JSON line per retired step (formatted by hand,
+    off json.dumps) that benchmarks/timeline.py reads back."""
+    from vllm_ext.exchange import timeline
+    from vllm_ext.exchange.gpu_watchdog import Retired
+
+    class Clock:  # GPU events on the host's clock, without a GPU
+        def host_time(self, event: Any) -> float:
+            return event.at
+
+    class Event:
+        def __init__(self, at: float) -> None:
+            self.event = self
+            self.at = at
+
+    monkeypatch.setenv(timeline.ENV, str(tmp_path))
+    monkeypatch.setattr(timeline, "GpuClock", Clock)
+    line = timeline.Timeline("attention", 0)
+    retired = Retired(7, 0.002, 0.0004, 16, 0, 101.0, 100.5, Event(100.6), Event(100.9),
+                      control_at=100.25)  # fmt: skip
+    line.step(retired)
+    line.close()
+    (path,) = tmp_path.glob("attention-0-*.jsonl")
+    assert json.loads(path.read_text()) == {
+        "step": 7, "rows": 16, "host_open": 100.4996, "host_enqueued": 100.5,
+        "host_control": 100.25, "gpu_start": 100.6, "gpu_end": 100.9,
+    }  # fmt: skip
