@@ -23,9 +23,9 @@ from afd_ctl.cli_scale import add_scale_parser, run_scale
 from afd_ctl.cli_text import (
     RECENT_SHOWN,
     format_status,
-    format_tap,
     format_workers,
     health_of,
+    run_watch,
     to_json,
 )
 from afd_ctl.cli_timing import out_path_problem, run_advise, run_trace
@@ -302,18 +302,7 @@ def run_client_command(args: argparse.Namespace) -> int:
             )
             print(to_json(reply) if args.json else format_workers(reply.workers))
         elif args.command == "watch":
-            what = "membership events and payloads" if args.payloads else "membership events"
-            until = f"{args.count} events" if args.count else "Ctrl-C"
-            # stderr: stdout stays one event per line (and pure JSON with --json).
-            print(f"watching {what} at {args.controller} until {until}", file=sys.stderr)
-            seen = 0
-            for event in stub.Tap(
-                afd_pb2.TapRequest(include_payloads=args.payloads), metadata=metadata
-            ):
-                print(to_json(event, indent=None) if args.json else format_tap(event), flush=True)
-                seen += 1
-                if args.count and seen >= args.count:
-                    break
+            return run_watch(stub, channel, args, metadata)
         elif args.command == "advise":
             return run_advise(stub, args, metadata)
         elif args.command == "trace":

@@ -1,11 +1,15 @@
-"""What `afd-ctl status | workers | watch` print: the daemon's protos as text or JSON."""
+"""What `afd-ctl status | workers | watch` print: the daemon's protos as text or JSON; and
+watch's loop over the Tap stream."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
@@ -186,3 +190,27 @@ def format_tap(event: afd_pb2.TapEvent) -> str:
     return (
         f"event {kind}{who} epoch={e.view.epoch} complete={e.view.complete}{change} {e.reason}"
     ).rstrip()
+
+
+def run_watch(stub: Any, channel: grpc.Channel, args: Any, metadata: Any) -> int:
+    """`afd-ctl watch`: membership events (and payloads) as they come, one per line."""
+    what = "membership events and payloads" if args.payloads else "membership events"
+    until = f"{args.count} events" if args.count else "Ctrl-C"
+    # stderr: stdout stays one event per line (and pure JSON with --json).
+    print(f"watching {what} at {args.controller} until {until}", file=sys.stderr)
+    try:  # connected within --timeout first: a loaded host may need more than one try
+        grpc.channel_ready_future(channel).result(timeout=args.timeout)
+    except grpc.FutureTimeoutError:
+        print(
+            f"afd-ctl watch: no connection to {args.controller} within {args.timeout} s; is "
+            "`afd-ctl serve` running there? (--timeout sets the wait)",
+            file=sys.stderr,
+        )
+        return 1
+    seen = 0
+    for event in stub.Tap(afd_pb2.TapRequest(include_payloads=args.payloads), metadata=metadata):
+        print(to_json(event, indent=None) if args.json else format_tap(event), flush=True)
+        seen += 1
+        if args.count and seen >= args.count:
+            break
+    return 0

@@ -204,6 +204,22 @@ def test_watch_says_what_it_watches_before_any_event(start_daemon, procs, tmp_pa
         watch.wait(10)
 
 
+def test_watch_with_nothing_listening_says_so_in_one_line_within_its_timeout(capsys):
+    """`afd-ctl watch` waits up to --timeout for its connection (a loaded host may need more
+    than one try; it once failed at the first), then says in one line that nobody answers."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    assert cli(["watch", "--controller", f"127.0.0.1:{port}", "--timeout", "1"]) == 1
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"afd-ctl watch: no connection to 127.0.0.1:{port} within 1.0 s; is `afd-ctl serve` "
+        "running there? (--timeout sets the wait)"
+    )
+
+
 def test_ffn_start_up_says_at_once_that_afd_ctl_does_not_answer():
     """The FFN server's first contact (before any vLLM work): a daemon that is not running is
     reported within seconds while it keeps retrying, not after the whole connect timeout."""
