@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +149,26 @@ def test_a_failed_start_is_logged_with_its_exception() -> None:
         source = inspect.getsource(function)
         assert f"{seams.STARTUP_FAILURE_PHRASE}." in source, function.__qualname__
         assert "logger.exception(" in source, function.__qualname__
+
+
+def test_ipc_sockets_go_where_the_base_path_variable_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compat.ipc_sockets points VLLM_RPC_BASE_PATH at a folder of the attention server's own:
+    vLLM must still name its IPC sockets from that variable, and a base path the user set
+    stays."""
+    from vllm.utils import network_utils
+
+    source = inspect.getsource(network_utils.get_open_zmq_ipc_path)
+    assert "envs.VLLM_RPC_BASE_PATH" in source and "ipc://" in source
+
+    seams = compat.seams()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(seams.IPC_BASE_ENV, "/srv/mine")
+    assert seams.ipc_sockets_in_owned_folder() is None
+    assert os.environ[seams.IPC_BASE_ENV] == "/srv/mine"
+    monkeypatch.delenv(seams.IPC_BASE_ENV)
+    folder = Path(seams.ipc_sockets_in_owned_folder())
+    assert os.environ[seams.IPC_BASE_ENV] == str(folder)
+    assert folder.is_dir() and folder.parent == tmp_path
+    assert folder.name.startswith("afd-vllm-ipc-") and f".{os.getpid()}-" in folder.name

@@ -147,11 +147,13 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
 ) -> None:
     """dp=2: `vllm serve --data-parallel-size 2`; the idle engine's dummy batches fail too
     while the FFN side is down, and both engines reconnect once it is back."""
-    ffn_tmp = tmp_path / "ffn-tmp"
+    ffn_tmp, attention_tmp = tmp_path / "ffn-tmp", tmp_path / "attention-tmp"
     ffn_tmp.mkdir()
+    attention_tmp.mkdir()
     servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path, dp=dp, ffn_env={"TMPDIR": str(ffn_tmp)}
-    )
+        tiny_model, start_daemon, procs, tmp_path, dp=dp,
+        ffn_env={"TMPDIR": str(ffn_tmp)}, attention_env={"TMPDIR": str(attention_tmp)},
+    )  # fmt: skip
     daemon, ffn, attention = servers.daemon, servers.ffn, servers.attention
     health, url, body = servers.health, servers.url, servers.body
 
@@ -185,9 +187,15 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     assert "failed 1 running request(s)" in log, attention.tail()
     assert log.count("reconnected to 1 ffn peer(s)") >= dp, attention.tail()
 
+    # vLLM's IPC sockets are in a folder of the attention server's own while it runs
+    # (compat.ipc_sockets), and gone with it once it stops.
+    (ipc_folder,) = attention_tmp.glob("afd-vllm-ipc-*")
+    assert any(p.is_socket() for p in ipc_folder.iterdir()), list(ipc_folder.iterdir())
     attention.signal(signal.SIGTERM)
     assert attention.wait(60) == 0, attention.tail()
     assert ffn2.wait(30) == 0, ffn2.tail()
+    left = [p for p in attention_tmp.rglob("*") if p.is_socket() or "afd-vllm-ipc-" in p.name]
+    assert not left, f"a stopped attention server left {left}"
 
 
 @pytest.mark.timeout(600)

@@ -89,8 +89,9 @@ def step(message: str) -> None:
 
 def run(workdir: Path, keep: bool = True) -> int:
     children: list[Child] = []
-    # vLLM leaves its IPC sockets (7 per `vllm serve`, with or without AFD) and a vllm_dist_*
-    # folder in the temporary folder; the servers get one of their own, removed at the end.
+    # vLLM leaves a vllm_dist_* file store in the temporary folder (its IPC sockets go to the
+    # attention server's own folder, compat.ipc_sockets); the servers get one of their own,
+    # removed at the end.
     scratch = Path(tempfile.mkdtemp(prefix="afd-demo-tmp-"))
     env = {**vllm_env(), "TMPDIR": str(scratch)}
     try:
