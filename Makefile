@@ -80,9 +80,10 @@ test-fast: $(STAMP)
 test-multihost: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PROGRESS) $(MULTIHOST_TESTS)
 
-# `make demo DEMO_DIR=DIR` keeps the model and the three servers' logs in DIR.
+# `make demo DEMO_DIR=DIR` keeps the model and the three servers' logs in DIR; `make demo KEEP=1`
+# (or AFD_DEMO_KEEP=1) keeps its temporary folder of them and names it at the end.
 demo: $(STAMP)
-	$(PY) -m vllm_ext.testing.demo $(if $(DEMO_DIR),--workdir $(DEMO_DIR))
+	$(PY) -m vllm_ext.testing.demo $(if $(DEMO_DIR),--workdir $(DEMO_DIR)) $(if $(filter-out 0,$(KEEP)),--keep)
 
 demo-sim: $(STAMP)
 	$(PY) scripts/demo.py
