@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 from vllm_ext.owned_folders import owned_temp_folder
 
@@ -28,15 +29,27 @@ SIGNATURES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 IPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
-IPC_FOLDER_PREFIX = "afd-vllm-ipc-"
+IPC_FOLDER_PREFIX = "afd-ipc-"
+# A Unix socket's path holds at most 107 bytes (sun_path) and vLLM adds "/<uuid4>" (37).
+MAX_BASE_BYTES = 107 - 37
 
 
 def ipc_sockets_in_owned_folder() -> str | None:
     """Points vLLM's IPC base path (this process's and its children's) at a folder this
-    process owns; the folder, or None where the user set the base path."""
+    process owns; the folder, or None where the user set the base path or where the folder's
+    path would be too long for a socket's (a long TMPDIR: vLLM's default then, as without AFD)."""
     if os.environ.get(IPC_BASE_ENV):
         return None
     folder = owned_temp_folder(IPC_FOLDER_PREFIX)
+    if len(os.fsencode(folder)) > MAX_BASE_BYTES:
+        shutil.rmtree(folder, ignore_errors=True)
+        _log.info(
+            "afd: vLLM's IPC sockets stay in the temporary folder: %s is too long a path for "
+            "them (%d bytes at most; a shorter TMPDIR or VLLM_RPC_BASE_PATH keeps them apart)",
+            folder,
+            MAX_BASE_BYTES,
+        )
+        return None
     os.environ[IPC_BASE_ENV] = folder
     _log.debug("afd: vLLM's IPC sockets in %s (removed at exit)", folder)
     return folder
