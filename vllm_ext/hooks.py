@@ -8,7 +8,8 @@ per seam (engine_args, serve, engine_core, api_server); this module is the AFD l
 - `EngineArgs.create_engine_config`: picks the AFD attention worker class (only when
   --worker-cls is "auto") and checks the model and parallel settings.
 - `ServeSubcommand.cmd`: `vllm serve --afd-role ffn` runs the FFN worker instead of the API
-  server (an FFN worker has no scheduler, no KV cache and no HTTP endpoint).
+  server (an FFN worker has no scheduler, no KV cache and no HTTP endpoint); the attention
+  role's vLLM IPC sockets go to a folder it owns (compat.ipc_sockets).
 - `EngineCore.shutdown`: first asks the attention workers to publish `stop` (over vLLM's own
   collective_rpc), while they are still alive: `vllm serve` kills worker processes soon after.
 - `EngineCore.step` / `step_with_batch_queue` / `execute_dummy_batch`: a failed AFD step fails
@@ -293,6 +294,7 @@ def serve_cmd(args: argparse.Namespace, vllm_cmd: Any) -> None:
         # late for its wrapper, and must still see the afd section (/health, error replies).
         args.additional_config = merged
         startup_errors.check_controller(afd)  # before any engine starts
+        compat.seams().ipc_sockets_in_owned_folder()  # inherited by every process it starts
         return vllm_cmd(args)
 
 

@@ -5,7 +5,7 @@ their torch 2.11) and 0.32. Nothing else in `vllm_ext` imports vLLM internals; i
 `seams()`, which returns the module for the installed line (`v0_26` or `v0_32`). Reaches that
 are the same on both lines live in one module per vLLM seam (`engine_args`, `serve`,
 `engine_core`, `api_server`, `worker`, `model_runner`, `kv_connector`, `micro_batching`,
-`deepseek_v2`, `models`, `ffn_runtime`, `offline`), each headed by why it exists, the upstream change that
+`deepseek_v2`, `models`, `ffn_runtime`, `offline`, `ipc_sockets`), each headed by why it exists, the upstream change that
 would make it unnecessary and when to remove it; `_shared` gathers them and both line modules
 re-export it. What differs (how a failed request is reported, a few model classes) is written
 once per line. `tests/test_vllm_compat.py` checks, on the installed vLLM, that every target

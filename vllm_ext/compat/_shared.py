@@ -17,6 +17,7 @@ it unnecessary and when it can go, and each with the `SIGNATURES` of its targets
   disaggregation with the attention server as KV consumer)
 - `expert_parallel`: an FFN rank holding and computing only its slice of the routed experts
 - `offline`: the public LLM API for vllm_ext.testing
+- `ipc_sockets`: vLLM's ZeroMQ IPC sockets in a folder the attention server owns
 
 This module gathers them (the line modules, v0_26 and v0_32, re-export it and add what
 differs); `SIGNATURES` is every seam's, for tests/test_vllm_compat.py. Heavy vLLM imports stay
@@ -33,6 +34,7 @@ from vllm_ext.compat import (
     expert_parallel,
     ffn_runtime,
     forward_layers,
+    ipc_sockets,
     kv_connector,
     micro_batching,
     model_runner,
@@ -48,6 +50,7 @@ from vllm_ext.compat.engine_core import *  # noqa: F403
 from vllm_ext.compat.expert_parallel import *  # noqa: F403
 from vllm_ext.compat.ffn_runtime import *  # noqa: F403
 from vllm_ext.compat.forward_layers import *  # noqa: F403
+from vllm_ext.compat.ipc_sockets import *  # noqa: F403
 from vllm_ext.compat.micro_batching import *  # noqa: F403
 from vllm_ext.compat.model_runner import *  # noqa: F403
 from vllm_ext.compat.models import *  # noqa: F403
@@ -70,6 +73,7 @@ SEAMS = (
     forward_layers,
     kv_connector,
     offline,
+    ipc_sockets,
 )
 
 # (module, attribute path, parameters relied on): every seam's, checked against the installed vLLM.

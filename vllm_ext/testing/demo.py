@@ -1,13 +1,14 @@
 """The end-to-end demo: afd-ctl, an FFN server and an attention server on a tiny DeepSeek-V2.
 
-    python -m vllm_ext.testing.demo [--workdir DIR]     (make demo [DEMO_DIR=DIR])
+    python -m vllm_ext.testing.demo [--workdir DIR | --keep]   (make demo [DEMO_DIR=DIR | KEEP=1])
 
 Builds the tiny model (real-scale random weights, no hub), starts `afd-ctl serve`,
 `vllm serve --afd-role ffn`, `vllm serve --afd-role attention`, sends one OpenAI completion,
 prints the answer and `afd-ctl status`, then stops the attention server (which makes the FFN
 server exit) and the daemon. Every process is in its own session and killed on any failure.
-Model and logs go to --workdir DIR, which is kept; without it, to a temporary folder that is
-removed after a run that succeeds and kept (and named) after one that fails.
+Model and logs go to --workdir DIR, which is kept; without it, to a temporary folder, kept
+and named at the end with --keep (or AFD_DEMO_KEEP=1) and after a run that fails, else removed
+(and the last line says so and how to keep it): no path is printed that is gone afterwards.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def step(message: str) -> None:
 
 def run(workdir: Path, keep: bool = True) -> int:
     children: list[Child] = []
-    # vLLM leaves its IPC sockets (7 per `vllm serve`, with or without AFD) and a vllm_dist_*
-    # folder in the temporary folder; the servers get one of their own, removed at the end.
+    # vLLM leaves a vllm_dist_* file store in the temporary folder (its IPC sockets go to the
+    # attention server's own folder, compat.ipc_sockets); the servers get one of their own,
+    # removed at the end.
     scratch = Path(tempfile.mkdtemp(prefix="afd-demo-tmp-"))
     env = {**vllm_env(), "TMPDIR": str(scratch)}
     try:
@@ -174,13 +176,7 @@ def run(workdir: Path, keep: bool = True) -> int:
         ffn.popen.wait(30)
         print(f"    ffn exited {ffn.stop()}")
         print(f"    afd-ctl exited {daemon.stop()}")
-        if keep:
-            step(f"done; model and logs in {workdir}")
-        else:
-            step(
-                "done; model and logs were in a temporary folder, now removed "
-                "(`make demo DEMO_DIR=DIR` or --workdir DIR keeps them)"
-            )
+        step(f"done; model and logs in {workdir}" if keep else "done")
         return 0
     except Exception as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
@@ -195,21 +191,38 @@ def run(workdir: Path, keep: bool = True) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+KEEP_ENV = "AFD_DEMO_KEEP"
+HOW_TO_KEEP = "`make demo KEEP=1` (or --keep) keeps them, `make demo DEMO_DIR=DIR` puts them in DIR"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="", help="keep model and logs here")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        default=os.environ.get(KEEP_ENV, "") not in ("", "0"),
+        help=f"keep the temporary folder of model and logs and name it at the end ({KEEP_ENV}=1)",
+    )
     args = parser.parse_args()
     if args.workdir:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        sys.exit(run(workdir))
-    workdir = Path(tempfile.mkdtemp(prefix="afd-demo-"))
-    code = None
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="afd-demo-"))
+    keep = bool(args.workdir) or args.keep
+    code = 130  # Ctrl-C (or anything else run() does not catch)
     try:
-        code = run(workdir, keep=False)
+        code = run(workdir, keep=keep)
+    except KeyboardInterrupt:
+        print("demo interrupted", file=sys.stderr)
     finally:
-        if code != 1:  # a failed run keeps its logs (run() said where); Ctrl-C does not
+        if code == 1 or keep:  # a failed run keeps its logs; run() said where
+            if code == 130:
+                print(f"model and logs in {workdir}", file=sys.stderr)
+        else:
             shutil.rmtree(workdir, ignore_errors=True)
+            step(f"model and logs were in a temporary folder, now removed; {HOW_TO_KEEP}")
     sys.exit(code)
 
 
