@@ -118,30 +118,45 @@ def daemon_status(address: str, within_s: float = 30.0) -> dict:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "version",
-    # vLLM 0.26: DeepSeek-V2 here (offline attention role, the profiler); V3 and Qwen3-MoE run
-    # there in the gate and expert-split tests below.
-    [pytest.param(2, marks=pytest.mark.both_lines), 3, "qwen3"],
+    "version,gate",
+    # vLLM 0.26: the DeepSeek-V3 case (its grouped top-k with the correction bias, the gate on
+    # the attention side, the offline attention role, the profiler); Qwen3-MoE runs there in
+    # the expert-split test below, DeepSeek-V2 in every `vllm serve` test.
+    [
+        (2, "ffn"),
+        pytest.param(3, "attention", marks=pytest.mark.both_lines),
+        ("qwen3", "attention"),
+    ],
 )
 def test_afd_1_attention_1_ffn_matches_colocated(
     version: Version,
+    gate: str,
     tiny_models: dict[Version, Path],
     start_daemon,
     procs: list[Proc],
     tmp_path: Path,
 ) -> None:
+    """1:1 with the offline LLM() as the attention side. gate "attention" (AFD_GATE on both
+    roles): the attention side computes each MoE layer's router logits and sends them with the
+    hidden states; the FFN side routes with them (DeepSeek-V3: sigmoid scores, grouped top-k
+    and the correction bias stay on the FFN side; Qwen3-MoE: softmax top-k with norm_topk_prob
+    on the FFN side). gate "ffn", the default: the FFN side routes with its own gate (V3 and
+    Qwen3-MoE do so in the expert-parallel and `vllm serve` tests)."""
     model = tiny_models[version]
     reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     # The per-role torch profiler switch, through the environment, on both roles.
     traces = tmp_path / "traces"
-    profile = {"AFD_PROFILE_DIR": str(traces), "AFD_PROFILE_START_STEP": "4"}
+    env = {"AFD_PROFILE_DIR": str(traces), "AFD_PROFILE_START_STEP": "4"}
     # Step payloads straight from the attention side too (on GPU by default; here, on).
-    profile["AFD_DIRECT_PAYLOADS"] = "on"
-    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=profile)
-    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=profile)
+    env["AFD_DIRECT_PAYLOADS"] = "on"
+    if gate == "attention":
+        env["AFD_GATE"] = "attention"
+    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=env)
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=env)
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
+    assert f"gate={gate}" in attention.log(), attention.tail()
 
     # One payload per forward step (profile run + prefill + decode steps) plus the final stop.
     status = daemon_status(daemon.address)
@@ -188,29 +203,6 @@ def test_attention_tp2_to_one_ffn_matches_colocated(
     assert "TP rank 1 of 2 takes its FFN outputs from TP rank 0" in log, attention.tail()
     assert ffn.wait(30) == 0, ffn.tail()
     assert "attention_tp_size 2 is not needed" in ffn.log(), ffn.tail()
-
-
-@pytest.mark.timeout(600)
-# vLLM 0.26: the DeepSeek-V3 case (its grouped top-k with the correction bias, and the V3 model).
-@pytest.mark.parametrize("version", [pytest.param(3, marks=pytest.mark.both_lines), "qwen3"])
-def test_router_gate_on_the_attention_side_matches_colocated(
-    version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
-    tmp_path: Path,
-) -> None:  # fmt: skip
-    """AFD_GATE=attention on both roles: the attention side computes each MoE layer's router
-    logits and sends them with the hidden states; the FFN side routes with them (DeepSeek-V3:
-    sigmoid scores, grouped top-k and the correction bias stay on the FFN side; Qwen3-MoE:
-    softmax top-k with norm_topk_prob on the FFN side)."""
-    model = tiny_models[version]
-    reference = colocated_reference(tiny_models, version, tmp_path)
-    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    gate = {"AFD_GATE": "attention"}
-    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=gate)
-    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=gate)
-    report = attention.json_report(timeout=300)
-    assert_same_generation(report, reference)
-    assert ffn.wait(30) == 0, ffn.tail()
-    assert "gate=attention" in attention.log(), attention.tail()
 
 
 @pytest.mark.timeout(600)

@@ -134,29 +134,16 @@ def answered_again(servers: AfdServers, timeout_s: float = 60) -> str:
         time.sleep(1)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "dp",
-    [
-        pytest.param(1, marks=pytest.mark.both_lines),
-        pytest.param(2, marks=pytest.mark.line_independent),
-    ],
-)
-def test_ffn_kill_fails_the_request_and_attention_recovers(
-    dp: int, tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
-) -> None:
-    """dp=2: `vllm serve --data-parallel-size 2`; the idle engine's dummy batches fail too
-    while the FFN side is down, and both engines reconnect once it is back."""
-    ffn_tmp = tmp_path / "ffn-tmp"
-    ffn_tmp.mkdir()
-    servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path, dp=dp, ffn_env={"TMPDIR": str(ffn_tmp)}
-    )
-    daemon, ffn, attention = servers.daemon, servers.ffn, servers.attention
+def ffn_kill_fails_the_request_then_recovers(
+    servers: AfdServers, model: Path, ffn_tmp: Path, procs: list[Proc], tmp_path: Path,
+    dp: int = 1,
+) -> Proc:  # fmt: skip
+    """kill -9 of the FFN server (started with TMPDIR `ffn_tmp`) while a long request streams:
+    the stream ends with the 503 error event within 10 s, the attention server stays up with
+    /health 503 and fails new requests at once; a new FFN server: /health 200 and the same
+    answer as before the kill (every DP engine reconnected). Returns the new FFN server."""
     health, url, body = servers.health, servers.url, servers.body
-
-    # A long streamed request; kill -9 the FFN server once its tokens flow.
-    events, killed_at, ended_at = stream_and_kill(url, body, ffn)
+    events, killed_at, ended_at = stream_and_kill(url, body, servers.ffn)
     assert len(events) >= 2, events
     assert ended_at - killed_at < 10, f"the request ended {ended_at - killed_at:.1f} s after"
     errors = [e["error"] for e in events if "error" in e]
@@ -174,19 +161,35 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     status, text = post_error(url, body)
     assert status == 503 and "GET /health" in text, (status, text)
     assert time.monotonic() - start < 10
-    assert attention.popen.poll() is None, attention.tail()
+    assert servers.attention.popen.poll() is None, servers.attention.tail()
 
     # A new FFN server: healthy again, and the same answer as before the kill.
-    ffn2 = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn2.log", vllm_env())
+    ffn2 = Proc(ffn_argv(model, servers.daemon.address), tmp_path / "ffn2.log", vllm_env())
     procs.append(ffn2)
     wait_status(health, 200, 180)
     assert post_json(url, body)["choices"][0]["text"] == servers.before
-    log = attention.log()
-    assert "failed 1 running request(s)" in log, attention.tail()
-    assert log.count("reconnected to 1 ffn peer(s)") >= dp, attention.tail()
+    log = servers.attention.log()
+    assert "failed 1 running request(s)" in log, servers.attention.tail()
+    assert log.count("reconnected to 1 ffn peer(s)") >= dp, servers.attention.tail()
+    return ffn2
 
-    attention.signal(signal.SIGTERM)
-    assert attention.wait(60) == 0, attention.tail()
+
+@pytest.mark.timeout(600)
+# vLLM 0.26 too: its failed-step seams. Attention DP=2 (the idle engine's dummy batches fail
+# too, both engines reconnect) is test_vllm_serve's Qwen3-MoE DP=2 case, on the servers it
+# starts anyway.
+@pytest.mark.both_lines
+def test_ffn_kill_fails_the_request_and_attention_recovers(
+    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+) -> None:
+    ffn_tmp = tmp_path / "ffn-tmp"
+    ffn_tmp.mkdir()
+    servers = start_afd_servers(
+        tiny_model, start_daemon, procs, tmp_path, ffn_env={"TMPDIR": str(ffn_tmp)}
+    )
+    ffn2 = ffn_kill_fails_the_request_then_recovers(servers, tiny_model, ffn_tmp, procs, tmp_path)
+    servers.attention.signal(signal.SIGTERM)
+    assert servers.attention.wait(60) == 0, servers.attention.tail()
     assert ffn2.wait(30) == 0, ffn2.tail()
 
 
