@@ -116,33 +116,20 @@ def daemon_status(address: str, within_s: float = 30.0) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "version",
-    # vLLM 0.26: DeepSeek-V2 here (offline attention role, the profiler); V3 and Qwen3-MoE run
-    # there in the gate and expert-split tests below.
-    [pytest.param(2, marks=pytest.mark.both_lines), 3, "qwen3"],
-)
-def test_afd_1_attention_1_ffn_matches_colocated(
-    version: Version,
-    tiny_models: dict[Version, Path],
-    start_daemon,
-    procs: list[Proc],
-    tmp_path: Path,
-) -> None:
-    model = tiny_models[version]
-    reference = colocated_reference(tiny_models, version, tmp_path)
-    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    # The per-role torch profiler switch, through the environment, on both roles.
-    traces = tmp_path / "traces"
-    profile = {"AFD_PROFILE_DIR": str(traces), "AFD_PROFILE_START_STEP": "4"}
-    # Step payloads straight from the attention side too (on GPU by default; here, on).
-    profile["AFD_DIRECT_PAYLOADS"] = "on"
-    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=profile)
-    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=profile)
-    report = attention.json_report(timeout=300)
-    assert_same_generation(report, reference)
+def traced_direct_env(traces: Path) -> dict[str, str]:
+    """The per-role torch profiler switch (from step 4, into `traces`) and step payloads
+    straight from the attention side too (on GPU by default; here, on): for both roles."""
+    return {
+        "AFD_PROFILE_DIR": str(traces),
+        "AFD_PROFILE_START_STEP": "4",
+        "AFD_DIRECT_PAYLOADS": "on",
+    }
 
+
+def assert_relayed_direct_and_traced(daemon, ffn: Proc, traces: Path) -> None:
+    """After a 1:1 run with traced_direct_env: a payload per step, the FFN server ended by the
+    attention side's stop, most payloads taken straight from the attention side, and a trace
+    of each role."""
     # One payload per forward step (profile run + prefill + decode steps) plus the final stop.
     status = daemon_status(daemon.address)
     steps = int(status.get("stepsRelayed", status.get("steps_relayed", 0)))
@@ -157,6 +144,34 @@ def test_afd_1_attention_1_ffn_matches_colocated(
     assert ffn_stats["payloads_direct"] > taken // 2 and taken == ffn_stats["steps"], ffn_stats
     written = sorted(p.name.split("-")[1] for p in traces.glob("afd-*.json"))
     assert written == ["attention", "ffn"], written
+
+
+@pytest.mark.timeout(600)
+# vLLM 0.26: the DeepSeek-V3 case (its grouped top-k with the correction bias, the gate on the
+# attention side, the offline attention role, the profiler); Qwen3-MoE runs there in the
+# expert-split test below, DeepSeek-V2 in every `vllm serve` test.
+@pytest.mark.parametrize("version", [pytest.param(3, marks=pytest.mark.both_lines), "qwen3"])
+def test_router_gate_on_the_attention_side_matches_colocated(
+    version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """1:1 with AFD_GATE=attention on both roles: the attention side computes each MoE layer's
+    router logits and sends them with the hidden states; the FFN side routes with them
+    (DeepSeek-V3: sigmoid scores, grouped top-k and the correction bias stay on the FFN side;
+    Qwen3-MoE: softmax top-k with norm_topk_prob on the FFN side). The profiler and direct
+    payloads on too. (The default gate, on the FFN side: DeepSeek-V2 in the slow-attention
+    test below, V3 in the expert-parallel tests, Qwen3-MoE in test_vllm_serve's DP=2.)"""
+    model = tiny_models[version]
+    reference = colocated_reference(tiny_models, version, tmp_path)
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    traces = tmp_path / "traces"
+    env = {**traced_direct_env(traces), "AFD_GATE": "attention"}
+    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=env)
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=env)
+    report = attention.json_report(timeout=300)
+    assert_same_generation(report, reference)
+    assert "gate=attention" in attention.log(), attention.tail()
+    assert_relayed_direct_and_traced(daemon, ffn, traces)
 
 
 @pytest.mark.timeout(600)
@@ -191,29 +206,6 @@ def test_attention_tp2_to_one_ffn_matches_colocated(
 
 
 @pytest.mark.timeout(600)
-# vLLM 0.26: the DeepSeek-V3 case (its grouped top-k with the correction bias, and the V3 model).
-@pytest.mark.parametrize("version", [pytest.param(3, marks=pytest.mark.both_lines), "qwen3"])
-def test_router_gate_on_the_attention_side_matches_colocated(
-    version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
-    tmp_path: Path,
-) -> None:  # fmt: skip
-    """AFD_GATE=attention on both roles: the attention side computes each MoE layer's router
-    logits and sends them with the hidden states; the FFN side routes with them (DeepSeek-V3:
-    sigmoid scores, grouped top-k and the correction bias stay on the FFN side; Qwen3-MoE:
-    softmax top-k with norm_topk_prob on the FFN side)."""
-    model = tiny_models[version]
-    reference = colocated_reference(tiny_models, version, tmp_path)
-    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    gate = {"AFD_GATE": "attention"}
-    ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env=gate)
-    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=gate)
-    report = attention.json_report(timeout=300)
-    assert_same_generation(report, reference)
-    assert ffn.wait(30) == 0, ffn.tail()
-    assert "gate=attention" in attention.log(), attention.tail()
-
-
-@pytest.mark.timeout(600)
 @pytest.mark.line_independent
 def test_ffn_server_waits_for_a_slow_attention_side(
     tiny_models: dict[Version, Path], start_daemon, procs: list[Proc], tmp_path: Path
@@ -221,24 +213,28 @@ def test_ffn_server_waits_for_a_slow_attention_side(
     """An FFN server is a server: it waits for its attention peers past connect_timeout_s (a
     large model's attention side takes minutes to load), then serves them. The attention side
     starts once the FFN server has registered; its own start-up (vLLM's imports, config,
-    engine) keeps it from registering for well over connect_timeout_s, as measured."""
+    engine) keeps it from registering for well over connect_timeout_s, as measured. Also the
+    1:1 DeepSeek-V2 case (the default gate) with the profiler and direct payloads."""
     connect_timeout_s = 2.0
     model = tiny_models[2]
     reference = colocated_reference(tiny_models, 2, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    traces = tmp_path / "traces"
+    env = traced_direct_env(traces)
     ffn = start_ffn(
         model, daemon, procs, tmp_path / "ffn.log",
-        env={"AFD_CONNECT_TIMEOUT_S": str(connect_timeout_s)},
+        env={**env, "AFD_CONNECT_TIMEOUT_S": str(connect_timeout_s)},
     )  # fmt: skip
     ffn.wait_for("registered as ffn rank 0", 180)
     ffn_registered_at = time.monotonic()
-    attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=env)
     daemon.wait_for(r"worker registered: attention", 300)
     waited_s = time.monotonic() - ffn_registered_at
     assert waited_s > 2 * connect_timeout_s, f"the attention side registered after {waited_s} s"
     assert ffn.popen.poll() is None, ffn.tail()
     assert_same_generation(attention.json_report(timeout=300), reference)
-    assert ffn.wait(30) == 0, ffn.tail()
+    assert "gate=ffn" in attention.log(), attention.tail()
+    assert_relayed_direct_and_traced(daemon, ffn, traces)
 
 
 @pytest.mark.timeout(600)

