@@ -81,10 +81,8 @@ def same_host(name: str) -> bool:
 
 def subscriber_ranks(view: afd_pb2.View, sender_rank: int) -> list[int]:
     """The FFN ranks afd-ctl relays an attention sender's payloads to in `view`."""
-    return list(
-        routing.subscriber_ranks(
-            sender_rank, view.expected_attention, view.expected_ffn, groups=view.ffn_groups or None
-        )
+    return routing.subscriber_ranks(
+        sender_rank, view.expected_attention, view.expected_ffn, groups=view.ffn_groups or None
     )
 
 
@@ -131,7 +129,7 @@ class DirectSender:
     def __init__(self, sock: StepSocket) -> None:
         self.sock = sock
         self._targets: dict[str, str] = {}  # worker id -> socket name
-        self.covers_all = False  # every subscriber of the view is a target
+        self._subscribers = 0  # of the view, with or without a socket here
         self._epoch: int | None = None
         self._prev = 0
         self.sent = 0
@@ -141,13 +139,18 @@ class DirectSender:
         """The FFN subscribers of the new view (worker id -> step socket) on this host, of
         the view's `subscribers`."""
         self._targets = {w: name for w, name in targets.items() if same_host(name)}
-        self.covers_all = 0 < subscribers == len(self._targets)
+        self._subscribers = subscribers
         if self._targets:
             log.info(
                 "afd direct payloads: each step payload also goes straight to %s on this host "
                 "(afd-ctl relays it as well)",
                 ", ".join(sorted(self._targets)),
             )
+
+    @property
+    def covers_all(self) -> bool:
+        """Every subscriber of the view is a target (none given up since)."""
+        return 0 < self._subscribers == len(self._targets)
 
     @property
     def targets(self) -> list[str]:
@@ -171,7 +174,6 @@ class DirectSender:
                 self.dropped += 1  # its queue is full: the relay brings this one
             except OSError as exc:
                 del self._targets[worker_id]
-                self.covers_all = False
                 log.warning(
                     "afd direct payloads: %s cannot be reached on this host (%s: another "
                     "network namespace, or it exited); its payloads come through afd-ctl only",

@@ -25,9 +25,7 @@ from afd_ctl.membership import WorkerSpec
 from afd_ctl.trace import DEFAULT_TRACE_TIMEOUT_S, TRACE_IDLE_S, PendingTrace
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.watch_limits import TAP, WatchLimits, refuse
-from afd_ctl.wire import (
-    PROTO_TO_ROLE,
-)
+from afd_ctl.wire import PROTO_TO_ROLE
 
 log = logging.getLogger(__name__)
 

@@ -139,12 +139,19 @@ class _FirstFailure(logging.Filter):
         super().__init__()
         self.phrase = phrase
 
-    def filter(self, record: logging.LogRecord) -> bool:
+    def noted(self, record: logging.LogRecord) -> bool:
+        """Whether `record` is vLLM's "... failed to start." with an exception; notes that
+        exception if it is ours."""
         exc = record.exc_info[1] if record.exc_info else None
         if exc is None or self.phrase not in str(record.msg):
-            return True
+            return False
         if is_ours(exc):
             note(one_line(exc))
+        return True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.noted(record):
+            return True
         reason = _read(Path(os.environ.get(REASON_ENV, "")))
         if reason is None or logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
             return True
@@ -164,10 +171,8 @@ class _Noted(logging.Handler):
         super().__init__(logging.ERROR)
 
     def emit(self, record: logging.LogRecord) -> None:
-        exc = record.exc_info[1] if record.exc_info else None
-        if _FILTER is not None and exc is not None and _FILTER.phrase in str(record.msg):
-            if is_ours(exc):
-                note(one_line(exc))
+        if _FILTER is not None:
+            _FILTER.noted(record)
 
 
 _FILTER: _FirstFailure | None = None
