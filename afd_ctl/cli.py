@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="PEM",
             help="client key for mTLS (env AFD_CTL_TLS_CLIENT_KEY)",
         )
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (5)")
+        p.add_argument(
+            "--timeout", type=float, default=5.0, help="seconds per call; watch: to connect (5)"
+        )
 
     status = sub.add_parser(
         "status",
