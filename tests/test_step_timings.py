@@ -268,9 +268,18 @@ def test_status_advise_metrics_and_trace_against_simulated_workers(
     )
     assert b"afd_ctl_worker_utilisation" in metrics
 
-    out = cli(daemon, "advise", "--json")
-    assert out.returncode == 0, out.stderr
-    advice = json.loads(out.stdout)
+    # advise answers a short window too (marked so, c0 taken as 0 when tokens barely varied
+    # yet): ask until the window holds a firm fit, then check it.
+    firm = ("short window", "tokens per step barely varied")
+    deadline = time.monotonic() + 30
+    while True:
+        out = cli(daemon, "advise", "--json")
+        assert out.returncode == 0, out.stderr
+        advice = json.loads(out.stdout)
+        if not any(n.startswith(firm) for n in advice.get("notes", [])):
+            break
+        assert time.monotonic() < deadline, advice.get("notes")
+        time.sleep(0.3)
     i = advice["inputs"]
     assert i["T_a_ms_per_layer"] == pytest.approx(T_A_MS, rel=1e-3)
     assert i["c0_ms_per_layer"] == pytest.approx(C0_MS, rel=1e-2)
