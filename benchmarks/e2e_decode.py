@@ -640,6 +640,7 @@ def main() -> None:
     il.add_argument(
         "--py-spy", default="py-spy", help="the py-spy binary --host-profile-batch uses"
     )
+    il.add_argument("--py-spy-rate", type=int, default=250, help="py-spy samples per second")
     il.add_argument("--py-spy-native", action="store_true",
                     help="native frames too (py-spy pauses the process per sample)")  # fmt: skip
     il.add_argument("--start-timeout", type=float, default=420.0)

@@ -204,6 +204,7 @@ def profile_repeat(
             args.py_spy,
             proc.pid,
             into / f"{part.name}-{depth}{'-' + side if side else ''}.txt",
+            rate=args.py_spy_rate,
             native=args.py_spy_native,
         )
         for side, proc in targets.items()

@@ -18,6 +18,8 @@ Per attention row count (a batch size's decode steps), milliseconds, medians ove
 - `ffn_launch_vs_attention_gpu_start`: the FFN host's launch of its step graph against the
   attention GPU's start of the same step (positive: the attention GPU started the step
   before the FFN side had launched it, so its first exchange may wait on the control hop);
+- `ffn_launch_vs_attention_launch`: the same against the attention host's launch of its step
+  (its FULL graph replayed, or its last layer enqueued; positive: the FFN side launched after);
 - `ffn_gpu_step`: the FFN side's step on its GPU (its waits for the rows included).
 
     python benchmarks/timeline.py DIR   # prints one JSON line
@@ -67,6 +69,9 @@ def summarise(folder: Path, min_steps: int = 20) -> dict[str, Any]:
                 figures["ffn_prepare"].append(f["host_open"] - f["host_control"])
                 figures["ffn_launch"].append(f["host_enqueued"] - f["host_open"])
             figures["ffn_launch_vs_attention_gpu_start"].append(f["host_enqueued"] - a["gpu_start"])
+            figures["ffn_launch_vs_attention_launch"].append(
+                f["host_enqueued"] - a["host_enqueued"]
+            )
             figures["ffn_gpu_step"].append(f["gpu_end"] - f["gpu_start"])
     by_rows = {}
     for rows, figures in sorted(per_rows.items()):

@@ -435,6 +435,9 @@ def test_afd_host_time_per_step_parts() -> None:
         "afd_host_us_open_connect_median": 5.0,
         "afd_host_us_open_begin_median": 15.0,
         "afd_host_us_open_retired_median": 0.0,
+        "afd_host_us_publish_direct_median": 0.0,
+        "afd_host_us_close_enqueue_median": 0.0,
+        "afd_host_us_close_closed_median": 0.0,
         "afd_host_us_per_step_median": 120.0,
     }
     started = host.start()

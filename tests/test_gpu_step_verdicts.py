@@ -246,7 +246,7 @@ def test_a_retired_steps_events_are_recorded_again_for_a_new_step(monkeypatch) -
     instead of creating CUDA events (at most `keep` kept)."""
     import torch
 
-    from vllm_ext.exchange import gpu
+    from vllm_ext.exchange import gpu_events
 
     class FakeEvent:  # torch.cuda.Event without a GPU
         created = 0
@@ -260,7 +260,7 @@ def test_a_retired_steps_events_are_recorded_again_for_a_new_step(monkeypatch) -
             self.records += 1
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    pool = gpu.EventPool(keep=2)
+    pool = gpu_events.EventPool(keep=2)
     first = [pool.recorded(), pool.recorded(), pool.recorded()]
     assert FakeEvent.created == 3
     pool.give_back(*first, None)  # a capture step has no start event

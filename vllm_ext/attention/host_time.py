@@ -17,8 +17,10 @@ from collections import deque
 WINDOW = 1000
 # "open" is the whole of open_step, its "publish" included; "connect" (the exchange to run on),
 # "begin" (the exchange's begin_step) and "retired" (steps that ran to their end, reported)
-# are parts of "open" too, apart from "publish".
-PARTS = ("open", "publish", "close", "connect", "begin", "retired")
+# are parts of "open" too, apart from "publish". "direct" is the part of "publish" that sends
+# the direct copies (afd_ctl.direct); "enqueue" (the exchange's end_step) and "closed" (the
+# session's bookkeeping: metrics, fence) are parts of "close".
+PARTS = ("open", "publish", "close", "connect", "begin", "retired", "direct", "enqueue", "closed")
 
 
 class HostTime:
@@ -47,11 +49,15 @@ class HostTime:
         if not self._recent:
             return {}
         opens, publishes, closes, *inner = zip(*self._recent, strict=True)
+        within = {"direct": "publish", "enqueue": "close", "closed": "close"}
         parts = {
             "open": [o - p for o, p in zip(opens, publishes, strict=True)],
             "publish": publishes,
             "close": closes,
-            **{f"open_{name}": values for name, values in zip(PARTS[3:], inner, strict=True)},
+            **{
+                f"{within.get(name, 'open')}_{name}": values
+                for name, values in zip(PARTS[3:], inner, strict=True)
+            },
         }
         out = {
             f"afd_host_us_{part}_median": round(1e6 * statistics.median(values), 1)

@@ -15,6 +15,7 @@ import torch
 from afd_ctl.errors import AfdNotReady, AfdTimeout
 from afd_ctl.routing import Role
 from afd_ctl.step import Step
+from afd_ctl.v1 import afd_pb2
 from vllm_ext import model_split
 from vllm_ext.attention.fence import ScaleFence
 from vllm_ext.attention.place import AttentionPlace, worker_id_of
@@ -214,7 +215,9 @@ class AttentionSession:
         if self.is_sender and self._link is not None:
             payload = step.to_payload()
             self.client.stamp(payload)  # its epoch and sender rank
+            sending = self.steps.host_time.start()
             self._link.send_direct(payload)  # first: afd-ctl's publish thread takes the GIL
+            self.steps.host_time.add("direct", sending)
             self.client.publish(payload, stamp=False)
             if self._fence is not None:
                 self._fence.published(step.step_id)
@@ -229,8 +232,7 @@ class AttentionSession:
             self._fence.step_closed()
 
     def say_drained(self) -> bool:
-        """Tells afd-ctl that this leaving server has no request in flight and takes no new
-        one (its API process said so); False when afd-ctl is not asking it to leave."""
+        """Tells afd-ctl this leaving server is drained (False: afd-ctl is not asking)."""
         client = self.client
         if client is None or not client.leaving:
             return False
@@ -250,8 +252,6 @@ class AttentionSession:
             log.info("afd attention %s: afd attention flags %s", self.worker_id, flags)
             try:
                 if self.is_sender and self._steps is not None and not client.retired:
-                    from afd_ctl.v1 import afd_pb2
-
                     step_id = self._steps.next_step_id()
                     client.publish(afd_pb2.AFDControlPayload(step_id=step_id, stop=True))
                     client.flush(timeout_s=5.0)

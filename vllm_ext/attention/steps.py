@@ -312,7 +312,9 @@ class AttentionSteps:
         with self._failing(step.step_id):
             exchange.end_step()
         self.verdicts.closed(exchange, step.step_id)
+        bookkeeping = self.host_time.add("enqueue", closing)
         self.link.step_closed()
+        self.host_time.add("closed", bookkeeping)
         self.host_time.add("close", closing)
         self.host_time.step_done()
 

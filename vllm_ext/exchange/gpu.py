@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from afd_ctl.step import CAPTURE, EAGER, Step
+from afd_ctl.step import CAPTURE, EAGER, Counts, Step
 from afd_data.errors import AfdPeerLost
 from afd_data.gpu_protocol import GPU
 from afd_data.step_plan import StepPlan, plan_step, validate_counts
 from vllm_ext.exchange.base import StepSplit
 from vllm_ext.exchange.data_plane import DataPlane
+from vllm_ext.exchange.gpu_events import CudaEvent, EventPool
 from vllm_ext.exchange.gpu_graphs import FfnStepGraphs
 from vllm_ext.exchange.gpu_watchdog import LOST, InFlight, StepWatchdog, failure_error
 from vllm_ext.exchange.timeline import Timeline
@@ -39,43 +40,8 @@ from vllm_ext.exchange.timing import Reporting
 log = logging.getLogger(__name__)
 
 RECENT_STEPS = 1000
-
-
-class CudaEvent:
-    """A timing CUDA event as the watchdog reads it."""
-
-    def __init__(self) -> None:
-        self.event = torch.cuda.Event(enable_timing=True)
-
-    def record(self) -> CudaEvent:
-        self.event.record()
-        return self
-
-    def query(self) -> bool:
-        return bool(self.event.query())
-
-    def elapsed_s(self, end: Any) -> float:
-        return float(self.event.elapsed_time(end.event)) / 1e3
-
-
-class EventPool:
-    """Timing events of retired steps, recorded again for new ones: a new torch.cuda.Event per
-    step and side creates (and, once dropped, destroys) a CUDA event, driver calls on the
-    host's path that MPS makes dearer. One host thread takes and gives back."""
-
-    def __init__(self, keep: int = 64) -> None:
-        self._free: list[CudaEvent] = []
-        self._keep = keep
-
-    def recorded(self) -> CudaEvent:
-        """An event recorded now on the current stream."""
-        return (self._free.pop() if self._free else CudaEvent()).record()
-
-    def give_back(self, *events: Any) -> None:
-        """Events of a step that ran to its end, read for the last time."""
-        for event in events:
-            if isinstance(event, CudaEvent) and len(self._free) < self._keep:
-                self._free.append(event)
+# Step plans kept per view (one per shape served: decode sizes, prefill chunks).
+MAX_PLANS = 512
 
 
 def _stream() -> int:
@@ -168,6 +134,14 @@ class GpuAttentionExchange(_GpuSide):
             "settle_us_per_step": 1e6 * self.settle_s / max(1, self.settles),
             "steps_in_flight": self.watchdog.in_flight,
             **self._gpu_stats(),
+            **self._watch_stats(),
+        }
+
+    def _watch_stats(self) -> dict[str, float]:
+        steps = max(1, self.watchdog.enqueued)
+        return {
+            "watchdog_rounds_per_step": round(self.watchdog.thread_rounds / steps, 3),
+            "watchdog_us_per_step": round(1e6 * self.watchdog.thread_s / steps, 1),
         }
 
     def begin_step(self, step: Step) -> None:
@@ -245,6 +219,7 @@ class GpuFfnExchange(_GpuSide):
         self.engine = engine
         # A whole step as one CUDA graph (GPU, not eager).
         self.step_graphs = FfnStepGraphs(enabled=graphs)
+        self._plans: dict[Counts, StepPlan] = {}
 
     def stats(self) -> dict[str, float]:
         stats: dict[str, float] = {**self.step_graphs.stats(), **self._gpu_stats()}
@@ -254,22 +229,35 @@ class GpuFfnExchange(_GpuSide):
 
     def connected(self) -> None:
         self.step_graphs.reset()  # they hold the previous peers' mapped addresses
+        self._plans.clear()  # the new view's peers and sizes
+
+    def _plan(self, counts: Counts) -> StepPlan:
+        """The step plan of these per-stage counts, checked and made once per view: decode
+        steps repeat a few shapes, and the FFN host's time before its launch is on the step's
+        path whenever the attention host does not run ahead."""
+        plan = self._plans.get(counts)
+        if plan is None:
+            config = self.plane.config
+            checked = validate_counts(config, counts)
+            plan = plan_step(config, self.plane.role, self.plane.rank, checked)
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[counts] = plan
+        return plan
 
     def run_step(self, step: Step, received_at: float = 0.0) -> StepSplit:
         """Every layer of `step` onto the stream at once (or its step graph launched); the host
         moves on to the next payload. The host's time here is enqueueing, counted as compute.
         `received_at`: when its payload was taken (monotonic; the timeline's stamp)."""
         self.plane.check_step(step)
-        config = self.plane.config
-        counts = validate_counts(config, step.counts)
-        plan = plan_step(config, self.plane.role, self.plane.rank, counts)
-        warm_up, enqueue = self._step_ops(step, plan)
+        plan = self._plan(step.counts)
+        ops = functools.partial(self._step_ops, step, plan)  # built only where a step needs them
         if step.flags.records_only:
             # The attention side records a FULL graph for these counts and runs nothing: this
             # side captures its step graph and runs nothing either.
             if self.step_graphs.enabled:
                 with self.engine.step_scope():
-                    self.step_graphs.capture(step.graph_key, warm_up, enqueue)
+                    self.step_graphs.capture(step.graph_key, ops)
             return StepSplit()
         # Nothing before the launch but what the launch needs: the steps retired since the
         # last payload are reported by `check`, after it.
@@ -280,8 +268,9 @@ class GpuFfnExchange(_GpuSide):
         mode = step.flags.graph_mode(self.step_graphs.enabled)
         with self.engine.step_scope():
             if mode != EAGER:
-                self.step_graphs.run(step.graph_key, mode == CAPTURE, warm_up, enqueue)
+                self.step_graphs.run(step.graph_key, mode == CAPTURE, ops)
             else:
+                _, enqueue = ops()
                 enqueue()
         now = time.monotonic()
         rows = sum(plan.total_rows)

@@ -26,6 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 Key = tuple[tuple[int, ...], ...]
+# A step's (warm_up, enqueue), made on demand (vllm_ext.exchange.gpu).
+StepOps = Callable[[], tuple[Callable[[], None], Callable[[], None]]]
 
 
 class FfnStepGraphs:
@@ -46,15 +48,15 @@ class FfnStepGraphs:
             log.info("afd ffn: dropping %d step graph(s) at reconnect", len(self._graphs))
         self._graphs.clear()
 
-    def capture(
-        self, key: Key, warm_up: Callable[[], None], enqueue: Callable[[], None], late: bool = False
-    ) -> torch.cuda.CUDAGraph:
-        """The graph of step shape `key`, captured now if there is none: `warm_up` runs each
-        layer's compute once outside the graph (lazy initialisations), `enqueue` issues every
-        layer's operations (recorded, not run)."""
+    def capture(self, key: Key, ops: StepOps, late: bool = False) -> torch.cuda.CUDAGraph:
+        """The graph of step shape `key`, captured now if there is none. `ops()` gives the
+        step's (warm_up, enqueue), built only for a capture: `warm_up` runs each layer's
+        compute once outside the graph (lazy initialisations), `enqueue` issues every layer's
+        operations (recorded, not run)."""
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
+        warm_up, enqueue = ops()
         warm_up()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
@@ -74,11 +76,9 @@ class FfnStepGraphs:
             log.info("afd ffn: captured the step graph for token counts %s", key)
         return graph
 
-    def run(
-        self, key: Key, capture_step: bool, warm_up: Callable[[], None], enqueue: Callable[[], None]
-    ) -> None:
+    def run(self, key: Key, capture_step: bool, ops: StepOps) -> None:
         """Runs a step of shape `key` from its graph, capturing it first if needed."""
-        self.capture(key, warm_up, enqueue, late=not capture_step).replay()
+        self.capture(key, ops, late=not capture_step).replay()
         self.replays += 1
 
     def stats(self) -> dict[str, int]:

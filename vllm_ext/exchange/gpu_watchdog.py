@@ -118,11 +118,17 @@ class StepWatchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.fatal: str | None = None  # the stream never drained after the poison
+        self.enqueued = 0  # steps enqueued
+        # The watch thread's rounds and its time in them (the interpreter lock it takes from
+        # the engine's thread while the host paces the step).
+        self.thread_rounds = 0
+        self.thread_s = 0.0
 
     # -- the host's side ------------------------------------------------------------------
     def enqueue(self, step: InFlight) -> None:
         """A step is on the stream (its end event recorded after its last operation)."""
         with self._cond:
+            self.enqueued += 1
             if self._failure is not None:
                 # Enqueued after a failure was declared: it may consume poison.
                 self._verdict(step.step_id, self._failure)
@@ -301,7 +307,10 @@ class StepWatchdog:
                     if not self._inflight:
                         self._cond.wait(IDLE_S)
                         continue
+                started = time.perf_counter()
                 self.poll()
+                self.thread_s += time.perf_counter() - started
+                self.thread_rounds += 1
                 self._sleep(WATCH_S)
 
         self._thread = threading.Thread(target=loop, name="afd-gpu-watchdog", daemon=True)

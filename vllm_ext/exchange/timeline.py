@@ -81,7 +81,7 @@ class Timeline:
 
     def step(self, retired: Retired) -> None:
         """One step that ran to its end (its events have passed)."""
-        start: Any = retired.start  # vllm_ext.exchange.gpu.CudaEvent
+        start: Any = retired.start  # vllm_ext.exchange.gpu_events.CudaEvent
         end: Any = retired.end
         if self._file is None or self._lines >= MAX_LINES or start is None or end is None:
             return
