@@ -10,7 +10,9 @@
   `cuMemGetAddressRange` to find the allocation a torch tensor lives in (an IPC handle names a
   whole allocation; the peer adds the tensor's offset);
 - a non-blocking stream of its own, for the host watchdog's poison writes: it must run while
-  the compute stream is parked in a wait.
+  the compute stream is parked in a wait;
+- timing events (`cuEventRecord` / `cuEventQuery` / `cuEventElapsedTime`) for each step's start
+  and end (vllm_ext.exchange.gpu_events).
 
 Imported only on CUDA machines (libcuda.so.1 must load). Every call checks its CUresult and
 raises CudaDriverError naming the call.
@@ -28,6 +30,8 @@ WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory barrier before th
 WRITE_NO_BARRIER = 0x1  # CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
 IPC_LAZY_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 STREAM_NON_BLOCKING = 0x1  # CU_STREAM_NON_BLOCKING
+EVENT_DEFAULT = 0x0  # CU_EVENT_DEFAULT: a timing event
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 class CudaDriverError(RuntimeError):
@@ -65,6 +69,13 @@ class CudaDriver:
         self._ipc_close = self._fn(lib, "cuIpcCloseMemHandle", [u64])
         self._stream_create = self._fn(lib, "cuStreamCreate", [ctypes.POINTER(ptr), ctypes.c_uint])
         self._stream_query = self._fn(lib, "cuStreamQuery", [ptr])
+        self._event_create = self._fn(lib, "cuEventCreate", [ctypes.POINTER(ptr), ctypes.c_uint])
+        self._event_record = self._fn(lib, "cuEventRecord", [ptr, ptr])
+        self._event_query = self._fn(lib, "cuEventQuery", [ptr])
+        self._event_elapsed = self._fn(
+            lib, "cuEventElapsedTime", [ctypes.POINTER(ctypes.c_float), ptr, ptr], "_v2"
+        )
+        self._event_destroy = self._fn(lib, "cuEventDestroy", [ptr], "_v2")
         self._get_error = lib.cuGetErrorString
         self._get_error.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
@@ -146,10 +157,35 @@ class CudaDriver:
 
     def stream_idle(self, stream: int) -> bool:
         result = self._stream_query(stream)
-        if result == 600:  # CUDA_ERROR_NOT_READY
+        if result == NOT_READY:
             return False
         self._check(result, "cuStreamQuery")
         return True
+
+    # -- timing events (the GPU-driven steps' start and end; one driver call each, where
+    # torch.cuda.Event's record also builds a Stream object per call) -------------------------
+    def event_create(self) -> int:
+        event = ctypes.c_void_p()
+        self._check(self._event_create(ctypes.byref(event), EVENT_DEFAULT), "cuEventCreate")
+        return int(event.value or 0)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self._event_record(event, stream), "cuEventRecord")
+
+    def event_done(self, event: int) -> bool:
+        result = self._event_query(event)
+        if result == NOT_READY:
+            return False
+        self._check(result, "cuEventQuery")
+        return True
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        ms = ctypes.c_float()
+        self._check(self._event_elapsed(ctypes.byref(ms), start, end), "cuEventElapsedTime")
+        return float(ms.value)
+
+    def event_destroy(self, event: int) -> None:
+        self._check(self._event_destroy(event), "cuEventDestroy")
 
 
 _driver: CudaDriver | None = None

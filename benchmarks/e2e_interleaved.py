@@ -135,7 +135,8 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
                             "--expect-attention", "1", "--expect-ffn", "1")  # fmt: skip
             procs.append(daemon)
             part_timeline = str(timeline_dir / part)
-            part_env = {**env, "AFD_TIMELINE_DIR": part_timeline}
+            timeline_env = {"AFD_TIMELINE_DIR": part_timeline, "AFD_TIMELINE_EVERY": "8"}
+            part_env = {**env, **timeline_env}
             part_env.update(PART_ENV.get(part, {}))
             ffn_log = tmp / f"ffn-{part}-{depth}.log"
             if args.gpu:
@@ -145,7 +146,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
                 ]  # fmt: skip
                 ffn_procs[part] = Proc(argv, ffn_log, part_env)
             else:
-                ffn_env = {**vllm_env(), "AFD_TIMELINE_DIR": part_timeline}
+                ffn_env = {**vllm_env(), **timeline_env}
                 ffn_env.update(PART_ENV.get(part, {}))
                 ffn_procs[part] = Proc(
                     ffn_argv(model, daemon.address, *ffn_flags), ffn_log, ffn_env

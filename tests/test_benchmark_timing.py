@@ -478,3 +478,28 @@ def test_a_timeline_line_is_json_with_the_steps_stamps(tmp_path, monkeypatch) ->
         "step": 7, "rows": 16, "host_open": 100.4996, "host_enqueued": 100.5,
         "host_control": 100.25, "gpu_start": 100.6, "gpu_end": 100.9,
     }  # fmt: skip
+
+
+def test_a_sampled_timeline_keeps_pairs_of_neighbouring_steps(tmp_path, monkeypatch) -> None:
+    """AFD_TIMELINE_EVERY=N: lines only for steps k and k+1 of every N (the period and idle
+    figures need a step's neighbour), the same steps on both sides (they share step ids)."""
+    from vllm_ext.exchange import timeline
+    from vllm_ext.exchange.gpu_watchdog import Retired
+
+    class Clock:
+        def host_time(self, event: Any) -> float:
+            return event.at
+
+    class Event:
+        def __init__(self, at: float) -> None:
+            self.at = at
+
+    monkeypatch.setenv(timeline.ENV, str(tmp_path))
+    monkeypatch.setenv(timeline.EVERY_ENV, "8")
+    monkeypatch.setattr(timeline, "GpuClock", Clock)
+    line = timeline.Timeline("ffn", 0)
+    for step_id in range(1, 20):
+        line.step(Retired(step_id, 0.001, 0.0, 4, 0, 1.0, 0.5, Event(0.6), Event(0.9)))
+    line.close()
+    (path,) = tmp_path.glob("ffn-0-*.jsonl")
+    assert [json.loads(row)["step"] for row in path.read_text().splitlines()] == [1, 8, 9, 16, 17]

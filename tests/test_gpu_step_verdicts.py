@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from afd_ctl.errors import AfdPeerLost, AfdTimeout
 from tests.gpu_stream_sim import SimGpu
@@ -240,30 +241,65 @@ def test_gpu_path_reports_reach_status_and_trace(start_daemon, side, tmp_path: P
             client.close()
 
 
-def test_a_retired_steps_events_are_recorded_again_for_a_new_step(monkeypatch) -> None:
+def test_a_retired_steps_events_are_recorded_again_for_a_new_step() -> None:
     """The GPU-driven exchange takes its steps' timing events from a pool: a step's two events
-    go back once it ran to its end and was reported, and the next step records them again
-    instead of creating CUDA events (at most `keep` kept)."""
-    import torch
-
+    go back once it ran to its end and was reported, and the next step records them again on
+    the current stream instead of creating CUDA events (at most `keep` kept)."""
     from vllm_ext.exchange import gpu_events
 
-    class FakeEvent:  # torch.cuda.Event without a GPU
-        created = 0
+    class Driver:  # afd_data.cuda_driver's event calls, without a GPU
+        def __init__(self) -> None:
+            self.created = 0
+            self.records: dict[int, list[int]] = {}
 
-        def __init__(self, enable_timing: bool) -> None:
-            assert enable_timing
-            FakeEvent.created += 1
-            self.records = 0
+        def event_create(self) -> int:
+            self.created += 1
+            self.records[self.created] = []
+            return self.created
 
-        def record(self) -> None:
-            self.records += 1
+        def event_record(self, event: int, stream: int) -> None:
+            self.records[event].append(stream)
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    pool = gpu_events.EventPool(keep=2)
+        def event_destroy(self, event: int) -> None:
+            self.records.pop(event)
+
+    cuda = Driver()
+    pool = gpu_events.EventPool(cuda, stream=lambda: 7, keep=2)
     first = [pool.recorded(), pool.recorded(), pool.recorded()]
-    assert FakeEvent.created == 3
+    assert cuda.created == 3
     pool.give_back(*first, None)  # a capture step has no start event
     again = [pool.recorded(), pool.recorded(), pool.recorded()]
-    assert FakeEvent.created == 4  # two reused (keep=2), one new
-    assert sorted(e.event.records for e in again) == [1, 2, 2]
+    assert cuda.created == 4  # two reused (keep=2), one new
+    assert sorted(len(cuda.records[e.handle]) for e in again) == [1, 2, 2]
+    assert {s for e in again for s in cuda.records[e.handle]} == {7}  # the current stream
+    del first, again
+    assert cuda.records == {}  # every event destroyed once dropped
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="driver events need a CUDA GPU")
+def test_driver_timing_events_time_work_on_the_current_stream() -> None:
+    """The GPU-driven steps' events (vllm_ext.exchange.gpu_events, through the CUDA driver) on
+    torch's current stream: done only once the work before the end event ran, their elapsed
+    time that work's, and the timeline's clock places them on the host's clock."""
+    from afd_data.cuda_driver import driver
+    from vllm_ext.exchange import gpu_events
+    from vllm_ext.exchange.timeline import GpuClock
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pool = gpu_events.EventPool(driver(), gpu_events.current_stream_of(device))
+    x = torch.randn(4096, 4096, device=device)
+    before = time.monotonic()
+    start = pool.recorded()
+    for _ in range(20):
+        x = x @ x / 64
+    end = pool.recorded()
+    assert start.query() or not end.query()  # an end before its start never passes first
+    torch.cuda.current_stream().synchronize()
+    after = time.monotonic()
+    assert start.query() and end.query()
+    gpu_s = start.elapsed_s(end)
+    assert 0 < gpu_s < after - before
+    clock = GpuClock()
+    at_start, at_end = clock.host_time(start), clock.host_time(end)
+    assert at_start is not None and at_end is not None
+    assert before - 0.01 < at_start < at_end < after + 0.01

@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from afd_ctl.step import CAPTURE, EAGER, Counts, Step
+from afd_data.cuda_driver import driver
 from afd_data.errors import AfdPeerLost
 from afd_data.gpu_protocol import GPU
 from afd_data.step_plan import StepPlan, plan_step, validate_counts
 from vllm_ext.exchange.base import StepSplit
 from vllm_ext.exchange.data_plane import DataPlane
-from vllm_ext.exchange.gpu_events import CudaEvent, EventPool
+from vllm_ext.exchange.gpu_events import CudaEvent, EventPool, current_stream_of
 from vllm_ext.exchange.gpu_graphs import FfnStepGraphs
 from vllm_ext.exchange.gpu_watchdog import LOST, InFlight, StepWatchdog, failure_error
 from vllm_ext.exchange.timeline import Timeline
@@ -42,10 +43,6 @@ log = logging.getLogger(__name__)
 RECENT_STEPS = 1000
 # Step plans kept per view (one per shape served: decode sizes, prefill chunks).
 MAX_PLANS = 512
-
-
-def _stream() -> int:
-    return int(torch.cuda.current_stream().cuda_stream)
 
 
 class _GpuSide:
@@ -67,7 +64,8 @@ class _GpuSide:
         self._row_bytes += config.router_width * config.router_itemsize
         self._gpu_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self.timeline = Timeline(plane.role.label, plane.rank)
-        self.events = EventPool()
+        self.stream = current_stream_of(torch.device(plane.device))  # its handle, read cheaply
+        self.events = EventPool(driver(), self.stream)
 
     def _report_retired(self) -> None:
         """Steps that ran to their end, into the step timings (on the host's thread)."""
@@ -169,10 +167,10 @@ class GpuAttentionExchange(_GpuSide):
             router = torch.zeros(
                 hidden.shape[0], width, dtype=self.plane.router_dtype, device=hidden.device
             )
-        self.hop.send(layer, stage, hidden, router, _stream())
+        self.hop.send(layer, stage, hidden, router, self.stream())
 
     def take(self, layer: int, stage: int, out: torch.Tensor) -> None:
-        self.hop.take(layer, stage, out, _stream())
+        self.hop.take(layer, stage, out, self.stream())
         self.exchanges += 1
 
     def end_step(self) -> None:
@@ -306,7 +304,7 @@ class GpuFfnExchange(_GpuSide):
             return forward(layer, x) if router is None else forward(layer, x, router)
 
         def enqueue() -> None:
-            stream = _stream()
+            stream = self.stream()
             for layer, stage in layers:
                 compute = functools.partial(run, layer)
                 hop.ffn_layer(layer, stage, plan.slices[stage], stream, compute)

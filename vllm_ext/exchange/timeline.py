@@ -13,7 +13,8 @@ GPU times are placed on the host's clock by anchors (`GpuClock`): an event recor
 stream of its own, whose completion the host sees within microseconds; an anchor older than
 `REANCHOR_S` is renewed (so clock drift stays far below a step), never with a sync of the
 compute stream. Lines are written when the host reports retired steps (between steps), at most
-`MAX_LINES` per worker.
+`MAX_LINES` per worker; with `AFD_TIMELINE_EVERY=N` only for steps k and k+1 of every N
+(benchmarks/e2e_interleaved.py: 8, so that the timeline costs AFD's timed steps little).
 """
 
 from __future__ import annotations
@@ -23,26 +24,33 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import torch
+from vllm_ext.exchange.gpu_events import CudaEvent
 
 if TYPE_CHECKING:
     from vllm_ext.exchange.gpu_watchdog import Retired
 
 ENV = "AFD_TIMELINE_DIR"
+# Only steps k and k+1 of every EVERY_ENV steps (k a multiple): each line costs the host's
+# step tens of microseconds on the H200 host, which a benchmark times; pairs keep each step's
+# neighbour for the period and idle figures.
+EVERY_ENV = "AFD_TIMELINE_EVERY"
 MAX_LINES = 200_000
 REANCHOR_S = 5.0
 
 
 class GpuClock:
-    """Maps a CUDA timing event to the host's monotonic clock."""
+    """Maps a CUDA timing event (vllm_ext.exchange.gpu_events) to the host's monotonic clock."""
 
     def __init__(self) -> None:
-        self._stream = torch.cuda.Stream()
-        self._event: Any = None
+        from afd_data.cuda_driver import driver
+
+        self._cuda = driver()
+        self._stream = self._cuda.non_blocking_stream()
+        self._event: CudaEvent | None = None
         self._host = 0.0
 
     def _anchor(self) -> None:
-        event = torch.cuda.Event(enable_timing=True)
+        event = CudaEvent(self._cuda)
         before = time.monotonic()
         event.record(self._stream)
         deadline = before + 0.05
@@ -52,14 +60,14 @@ class GpuClock:
         after = time.monotonic()
         self._event, self._host = event, (before + after) / 2
 
-    def host_time(self, event: Any) -> float | None:
+    def host_time(self, event: CudaEvent) -> float | None:
         """When `event` (a completed timing CUDA event) happened, in host monotonic seconds;
         None while no anchor could be taken (the device never idled enough)."""
         if self._event is None or time.monotonic() - self._host > REANCHOR_S:
             self._anchor()
         if self._event is None:
             return None
-        return self._host + float(self._event.elapsed_time(event)) / 1e3
+        return self._host + self._event.elapsed_s(event)
 
 
 class Timeline:
@@ -69,6 +77,7 @@ class Timeline:
         folder = os.environ.get(ENV, "")
         self._file: IO[str] | None = None
         self._lines = 0
+        self._every = max(1, int(os.environ.get(EVERY_ENV, "1") or 1))
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
             path = Path(folder) / f"{role}-{rank}-{os.getpid()}.jsonl"
@@ -85,7 +94,9 @@ class Timeline:
         end: Any = retired.end
         if self._file is None or self._lines >= MAX_LINES or start is None or end is None:
             return
-        gpu_start, gpu_end = (self._clock.host_time(e.event) for e in (start, end))
+        if self._every > 1 and retired.step_id % self._every > 1:
+            return
+        gpu_start, gpu_end = self._clock.host_time(start), self._clock.host_time(end)
         if gpu_start is None or gpu_end is None:
             return
         # Formatted by hand: json.dumps of the dict cost about three times as much, on the
