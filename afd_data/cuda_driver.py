@@ -69,13 +69,18 @@ class CudaDriver:
         self._ipc_close = self._fn(lib, "cuIpcCloseMemHandle", [u64])
         self._stream_create = self._fn(lib, "cuStreamCreate", [ctypes.POINTER(ptr), ctypes.c_uint])
         self._stream_query = self._fn(lib, "cuStreamQuery", [ptr])
-        self._event_create = self._fn(lib, "cuEventCreate", [ctypes.POINTER(ptr), ctypes.c_uint])
-        self._event_record = self._fn(lib, "cuEventRecord", [ptr, ptr])
-        self._event_query = self._fn(lib, "cuEventQuery", [ptr])
+        # The event calls return at once: called with the interpreter lock held (PyDLL), so
+        # that a step's records and queries never hand the lock to another thread of the
+        # engine (a CDLL call releases and retakes it; the H200 host measured the watchdog's
+        # round five times as long, waiting to get the lock back).
+        held = ctypes.PyDLL("libcuda.so.1")
+        self._event_create = self._fn(held, "cuEventCreate", [ctypes.POINTER(ptr), ctypes.c_uint])
+        self._event_record = self._fn(held, "cuEventRecord", [ptr, ptr])
+        self._event_query = self._fn(held, "cuEventQuery", [ptr])
         self._event_elapsed = self._fn(
-            lib, "cuEventElapsedTime", [ctypes.POINTER(ctypes.c_float), ptr, ptr], "_v2"
+            held, "cuEventElapsedTime", [ctypes.POINTER(ctypes.c_float), ptr, ptr], "_v2"
         )
-        self._event_destroy = self._fn(lib, "cuEventDestroy", [ptr], "_v2")
+        self._event_destroy = self._fn(held, "cuEventDestroy", [ptr], "_v2")
         self._get_error = lib.cuGetErrorString
         self._get_error.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 

@@ -39,8 +39,8 @@ class HostTime:
         return now
 
     def step_done(self) -> None:
-        """The step closed: its parts join the window."""
-        self._recent.append(tuple(self._step[p] for p in PARTS))
+        """The step closed: its parts join the window (in PARTS order: the dict's own)."""
+        self._recent.append(tuple(self._step.values()))
         self._step = dict.fromkeys(PARTS, 0.0)
 
     def stats(self) -> dict[str, float]:
