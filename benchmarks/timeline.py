@@ -8,6 +8,11 @@ Per attention row count (a batch size's decode steps), milliseconds, medians ove
   its host: vLLM's CPU work that async scheduling did not hide);
 - `host_lead`: how long before the previous step's GPU end the host opened this one
   (negative: the host opened it only after, so the GPU idled);
+- `tokens_after_gpu_end`: from the attention GPU's end of the step's forward to vLLM's host
+  getting its sampled tokens (sampling, the copy out, and how late the host looked);
+  `open_after_tokens`: from there to the host opening the step after next (what vLLM's host
+  does between one step's tokens and the next step it schedules, async scheduling keeping one
+  step queued);
 - `payload_hop`: from the attention host opening the step (it publishes right then) to the
   FFN host beginning to run its payload, in three parts: `publish` (the attention host, from
   opening the step to its payload sent), `payload_transit` (from sent to the FFN host taking
@@ -59,6 +64,11 @@ def summarise(folder: Path, min_steps: int = 20) -> dict[str, Any]:
         if nxt is not None and nxt["rows"] == a["rows"]:
             figures["attention_gpu_period"].append(nxt["gpu_start"] - a["gpu_start"])
             figures["attention_gpu_idle"].append(nxt["gpu_start"] - a["gpu_end"])
+        if a.get("host_tokens"):  # lines from the fourth session of 2026-12-04 on
+            figures["tokens_after_gpu_end"].append(a["host_tokens"] - a["gpu_end"])
+            after = att.get(step_id + 2)
+            if after is not None and after["rows"] == a["rows"]:
+                figures["open_after_tokens"].append(after["host_open"] - a["host_tokens"])
         f = ffn.get(step_id)
         if f is not None:
             figures["payload_hop"].append(f["host_open"] - a["host_open"])

@@ -367,6 +367,7 @@ def test_timeline_splits_the_payload_hop_into_publish_transit_and_prelaunch(tmp_
                 "host_enqueued": t + 1e-3,
                 "gpu_start": t + 0.2e-3,
                 "gpu_end": t + 3.2e-3,
+                "host_tokens": t + 3.5e-3,
             }
         )
         ffn.append({"step": step, "rows": 16, "host_open": t + 300e-6,
@@ -383,6 +384,9 @@ def test_timeline_splits_the_payload_hop_into_publish_transit_and_prelaunch(tmp_
     assert rows["ffn_prepare_ms"] == pytest.approx(0.05)
     assert rows["ffn_launch_ms"] == pytest.approx(0.1)
     assert rows["attention_gpu_idle_ms"] == pytest.approx(1.0)
+    assert rows["ffn_launch_vs_attention_launch_ms"] == pytest.approx(-0.6)
+    assert rows["tokens_after_gpu_end_ms"] == pytest.approx(0.3)
+    assert rows["open_after_tokens_ms"] == pytest.approx(4.5)  # the step after next: 8 - 3.5 ms
 
 
 def test_host_profile_summary_names_each_busy_thread_and_where_it_spent_its_samples() -> None:
@@ -476,13 +480,14 @@ def test_a_timeline_line_is_json_with_the_steps_stamps(tmp_path, monkeypatch) ->
     (path,) = tmp_path.glob("attention-0-*.jsonl")
     assert json.loads(path.read_text()) == {
         "step": 7, "rows": 16, "host_open": 100.4996, "host_enqueued": 100.5,
-        "host_control": 100.25, "gpu_start": 100.6, "gpu_end": 100.9,
+        "host_control": 100.25, "gpu_start": 100.6, "gpu_end": 100.9, "host_tokens": 0.0,
     }  # fmt: skip
 
 
-def test_a_sampled_timeline_keeps_pairs_of_neighbouring_steps(tmp_path, monkeypatch) -> None:
-    """AFD_TIMELINE_EVERY=N: lines only for steps k and k+1 of every N (the period and idle
-    figures need a step's neighbour), the same steps on both sides (they share step ids)."""
+def test_a_sampled_timeline_keeps_runs_of_neighbouring_steps(tmp_path, monkeypatch) -> None:
+    """AFD_TIMELINE_EVERY=N: lines only for steps k, k+1 and k+2 of every N (the period, idle
+    and next-open figures need a step's neighbours), the same steps on both sides (they share
+    step ids); an attention line carries its step's verdict time, whichever comes first."""
     from vllm_ext.exchange import timeline
     from vllm_ext.exchange.gpu_watchdog import Retired
 
@@ -494,12 +499,31 @@ def test_a_sampled_timeline_keeps_pairs_of_neighbouring_steps(tmp_path, monkeypa
         def __init__(self, at: float) -> None:
             self.at = at
 
+    def retired(step_id: int) -> Retired:
+        return Retired(step_id, 0.001, 0.0, 4, 0, 1.0, 0.5, Event(0.6), Event(0.9))
+
     monkeypatch.setenv(timeline.ENV, str(tmp_path))
     monkeypatch.setenv(timeline.EVERY_ENV, "8")
     monkeypatch.setattr(timeline, "GpuClock", Clock)
-    line = timeline.Timeline("ffn", 0)
+    ffn = timeline.Timeline("ffn", 0)
+    attention = timeline.Timeline("attention", 0, verdicts=True)
     for step_id in range(1, 20):
-        line.step(Retired(step_id, 0.001, 0.0, 4, 0, 1.0, 0.5, Event(0.6), Event(0.9)))
-    line.close()
-    (path,) = tmp_path.glob("ffn-0-*.jsonl")
-    assert [json.loads(row)["step"] for row in path.read_text().splitlines()] == [1, 8, 9, 16, 17]
+        ffn.step(retired(step_id))
+        if step_id % 2:  # the verdict before the step's retirement is reported, or after it
+            attention.tokens(step_id, 2.0 + step_id)
+            attention.step(retired(step_id))
+        else:
+            attention.step(retired(step_id))
+            attention.tokens(step_id, 2.0 + step_id)
+    attention.step(retired(24))  # no verdict asked before close: written without one
+    ffn.close()
+    attention.close()
+
+    def rows(role: str) -> list[dict[str, Any]]:
+        (path,) = tmp_path.glob(f"{role}-0-*.jsonl")
+        return [json.loads(row) for row in path.read_text().splitlines()]
+
+    assert [r["step"] for r in rows("ffn")] == [1, 2, 8, 9, 10, 16, 17, 18]
+    tokens = {r["step"]: r["host_tokens"] for r in rows("attention")}
+    assert tokens == {1: 3.0, 2: 4.0, 8: 10.0, 9: 11.0, 10: 12.0, 16: 18.0, 17: 19.0, 18: 20.0,
+                      24: 0.0}  # fmt: skip

@@ -49,6 +49,7 @@ class _GpuSide:
     """What both roles' GPU-driven exchanges share: the plane, the watchdog, reports."""
 
     path = GPU
+    has_verdicts = False  # the attention side's steps are settled where vLLM reads tokens
 
     def __init__(self, plane: DataPlane, reporting: Reporting) -> None:
         self.plane = plane
@@ -63,7 +64,7 @@ class _GpuSide:
         self._row_bytes = config.hidden_size * config.itemsize
         self._row_bytes += config.router_width * config.router_itemsize
         self._gpu_s: deque[float] = deque(maxlen=RECENT_STEPS)
-        self.timeline = Timeline(plane.role.label, plane.rank)
+        self.timeline = Timeline(plane.role.label, plane.rank, verdicts=self.has_verdicts)
         self.stream = current_stream_of(torch.device(plane.device))  # its handle, read cheaply
         self.events = EventPool(driver(), self.stream)
 
@@ -107,6 +108,7 @@ class _GpuSide:
 
 class GpuAttentionExchange(_GpuSide):
     full_graphs = True
+    has_verdicts = True
 
     def __init__(self, plane: DataPlane, reporting: Reporting) -> None:
         super().__init__(plane, reporting)
@@ -203,6 +205,10 @@ class GpuAttentionExchange(_GpuSide):
             raise failure_error(why)
 
     def settle(self, step_ids: Sequence[int]) -> None:
+        if self.timeline.on:  # vLLM's own wait for these steps' tokens just ended
+            asked = time.monotonic()
+            for step_id in step_ids:
+                self.timeline.tokens(step_id, asked)
         t0 = time.perf_counter()
         try:
             self.watchdog.verdict(step_ids, self.bound_s)
