@@ -160,12 +160,15 @@ class CudaDriver:
         )
         return int(stream.value or 0)
 
-    def stream_idle(self, stream: int) -> bool:
-        result = self._stream_query(stream)
+    def _done(self, result: int, what: str) -> bool:
+        """A query's answer: False while its work is pending, raises on an error."""
         if result == NOT_READY:
             return False
-        self._check(result, "cuStreamQuery")
+        self._check(result, what)
         return True
+
+    def stream_idle(self, stream: int) -> bool:
+        return self._done(self._stream_query(stream), "cuStreamQuery")
 
     # -- timing events (the GPU-driven steps' start and end; one driver call each, where
     # torch.cuda.Event's record also builds a Stream object per call) -------------------------
@@ -178,11 +181,7 @@ class CudaDriver:
         self._check(self._event_record(event, stream), "cuEventRecord")
 
     def event_done(self, event: int) -> bool:
-        result = self._event_query(event)
-        if result == NOT_READY:
-            return False
-        self._check(result, "cuEventQuery")
-        return True
+        return self._done(self._event_query(event), "cuEventQuery")
 
     def event_elapsed_ms(self, start: int, end: int) -> float:
         ms = ctypes.c_float()
