@@ -291,13 +291,16 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
 
 
 def keep_logs(args: argparse.Namespace, tmp: Path, run: str) -> None:
-    """With --log-dir, every process's log of this run (refused or not) is kept there."""
+    """With --log-dir, every process's log of this run (refused or not) is kept there, and
+    the AFD parts' timelines (sampled, so a few MB at most) beside them."""
     if not args.log_dir:
         return
     into = Path(args.log_dir) / run.replace("+", "_").replace("@", "_depth")
     into.mkdir(parents=True, exist_ok=True)
     for log in tmp.glob("*.log"):
         shutil.copy2(log, into / log.name)
+    if (tmp / "timeline").is_dir():
+        shutil.copytree(tmp / "timeline", into / "timeline", dirs_exist_ok=True)
 
 
 def main(args: argparse.Namespace) -> int:

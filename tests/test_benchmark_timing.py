@@ -527,3 +527,19 @@ def test_a_sampled_timeline_keeps_runs_of_neighbouring_steps(tmp_path, monkeypat
     tokens = {r["step"]: r["host_tokens"] for r in rows("attention")}
     assert tokens == {1: 3.0, 2: 4.0, 8: 10.0, 9: 11.0, 10: 12.0, 16: 18.0, 17: 19.0, 18: 20.0,
                       24: 0.0}  # fmt: skip
+
+
+def test_kept_logs_carry_the_timelines(tmp_path) -> None:
+    """--log-dir keeps each run's process logs and its AFD parts' timeline files together."""
+    import argparse
+
+    from benchmarks.e2e_interleaved import keep_logs
+
+    run = tmp_path / "run"
+    (run / "timeline" / "afd").mkdir(parents=True)
+    (run / "afd-2.log").write_text("log\n")
+    (run / "timeline" / "afd" / "attention-0-1.jsonl").write_text("{}\n")
+    keep_logs(argparse.Namespace(log_dir=str(tmp_path / "kept")), run, "colocated+afd@2")
+    kept = tmp_path / "kept" / "colocated_afd_depth2"
+    assert (kept / "afd-2.log").read_text() == "log\n"
+    assert (kept / "timeline" / "afd" / "attention-0-1.jsonl").read_text() == "{}\n"
