@@ -641,6 +641,8 @@ def main() -> None:
         "--py-spy", default="py-spy", help="the py-spy binary --host-profile-batch uses"
     )
     il.add_argument("--py-spy-rate", type=int, default=250, help="py-spy samples per second")
+    il.add_argument("--py-spy-idle", action="store_true",
+                    help="waiting threads too: where the engine's thread waits")  # fmt: skip
     il.add_argument("--py-spy-native", action="store_true",
                     help="native frames too (py-spy pauses the process per sample)")  # fmt: skip
     il.add_argument("--start-timeout", type=float, default=420.0)

@@ -207,6 +207,7 @@ def profile_repeat(
             into / f"{part.name}-{depth}{'-' + side if side else ''}.txt",
             rate=args.py_spy_rate,
             native=args.py_spy_native,
+            idle=args.py_spy_idle,
         )
         for side, proc in targets.items()
     }

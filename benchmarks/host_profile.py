@@ -40,9 +40,17 @@ class Recording:
     """py-spy recording a process tree into `out` (raw collapsed stacks) until `stop`."""
 
     def __init__(
-        self, py_spy: str, pid: int, out: Path, rate: int = RATE, native: bool = False
+        self,
+        py_spy: str,
+        pid: int,
+        out: Path,
+        rate: int = RATE,
+        native: bool = False,
+        idle: bool = False,
     ) -> None:
-        """`native`: C/C++ frames too (py-spy pauses the process for each sample then)."""
+        """`native`: C/C++ frames too (py-spy pauses the process for each sample then).
+        `idle`: waiting threads sampled too (where a thread waits: a sync, a lock, the
+        interpreter lock); `active_share` then counts every sample."""
         self.out, self.rate = out, rate
         self.problem = ""
         binary = shutil.which(py_spy)
@@ -55,7 +63,7 @@ class Recording:
             self._proc = subprocess.Popen(
                 [binary, "record", "--pid", str(pid), "--subprocesses", "--threads",
                  "--native" if native else "--nonblocking", "--rate", str(rate),
-                 "--format", "raw", "-o", str(out)],
+                 "--format", "raw", "-o", str(out), *(["--idle"] if idle else [])],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
 
