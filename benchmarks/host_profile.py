@@ -7,8 +7,9 @@ the TPOT. `e2e_decode.py --interleave --host-profile-batch B` records each part'
 (the decode runner, vLLM's engine core; the FFN server of an AFD part) with py-spy while it runs
 one more repeat at batch B, after the timed ones, and puts this summary in the JSON:
 
-- per thread that was busy at least MIN_ACTIVE of the wall time: its `active_share` (py-spy's
-  non-idle samples against rate x wall time), the `afd_share` of its samples whose innermost
+- per thread that was busy in at least MIN_ACTIVE of the samples: its `active_share` (py-spy's
+  non-idle samples of it against the samples py-spy took, or rate x wall time where its log
+  does not say), the `afd_share` of its samples whose innermost
   frame of this project (afd_ctl, afd_data, vllm_ext) or of vLLM is this project's, the functions it spent most samples in
   (`leaf`: where the samples stopped; `inclusive`: anywhere on the stack, leaving out the frames
   on nearly every sample, such as the thread's own loop).
@@ -21,6 +22,7 @@ py-spy is optional: without it (or where the machine forbids attaching) the summ
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -80,7 +82,8 @@ class Recording:
         if not self.out.is_file():
             tail = self._log.read_text(errors="replace").strip().splitlines()[-3:]
             return {"error": f"py-spy wrote nothing (exit {self._proc.returncode}): {tail}"}
-        return summarise(self.out.read_text(errors="replace"), wall_s, self.rate)
+        taken = samples_taken(self._log.read_text(errors="replace"))
+        return summarise(self.out.read_text(errors="replace"), wall_s, self.rate, taken=taken)
 
 
 def _frame_name(frame: str) -> str:
@@ -102,8 +105,18 @@ def _ours(calls: list[str]) -> bool:
     return False
 
 
-def summarise(raw: str, wall_s: float, rate: int, top: int = TOP) -> dict[str, Any]:
-    """Per busy thread of a py-spy raw recording (--threads, --subprocesses): see the module."""
+def samples_taken(log: str) -> int:
+    """How many times py-spy sampled (its closing line: "Samples: N Errors: M"), 0 if it did
+    not say. Under load it samples far below its rate (the fourth session's H200 run took 469
+    samples and 100 errors in 1.12 s at 1000 Hz), so shares are of the samples it took."""
+    found = re.search(r"Samples: (\d+) Errors: (\d+)", log)
+    return int(found[1]) + int(found[2]) if found else 0
+
+
+def summarise(raw: str, wall_s: float, rate: int, top: int = TOP, taken: int = 0) -> dict[str, Any]:
+    """Per busy thread of a py-spy raw recording (--threads, --subprocesses): see the module.
+    `taken`: the samples py-spy took (samples_taken); else rate x wall, which overstates them
+    whenever py-spy lags."""
     stacks: dict[tuple[str, str], list[tuple[list[str], int]]] = defaultdict(list)
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -118,7 +131,7 @@ def summarise(raw: str, wall_s: float, rate: int, top: int = TOP) -> dict[str, A
         thread = threads[-1].split(": ", 1)[-1]
         calls = [f for f in frames if not f.startswith(("process ", "thread ("))]
         stacks[(process, thread)].append((calls, int(count)))
-    possible = max(1.0, wall_s * rate)
+    possible = float(taken) if taken > 0 else max(1.0, wall_s * rate)
     threads_out = []
     for (process, thread), samples in stacks.items():
         total = sum(n for _, n in samples)
@@ -150,7 +163,11 @@ def summarise(raw: str, wall_s: float, rate: int, top: int = TOP) -> dict[str, A
             }
         )
     threads_out.sort(key=lambda t: -t["active_share"])
-    return {"wall_s": round(wall_s, 2), "rate_hz": rate, "threads": threads_out}
+    out = {"wall_s": round(wall_s, 2), "rate_hz": rate, "threads": threads_out}
+    if taken > 0:
+        out["samples_taken"] = taken
+        out["effective_rate_hz"] = round(taken / max(wall_s, 1e-9), 1)
+    return out
 
 
 def main() -> None:

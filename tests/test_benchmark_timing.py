@@ -390,7 +390,7 @@ def test_timeline_splits_the_payload_hop_into_publish_transit_and_prelaunch(tmp_
 
 
 def test_host_profile_summary_names_each_busy_thread_and_where_it_spent_its_samples() -> None:
-    from benchmarks.host_profile import summarise
+    from benchmarks.host_profile import samples_taken, summarise
 
     main = 'process 7:"VLLM::EngineCore";thread (7): MainThread;run (vllm/core.py:10)'
     main += ";wrapped (vllm_ext/attention/step_failures.py:1)"  # ours around vLLM's step
@@ -414,6 +414,17 @@ def test_host_profile_summary_names_each_busy_thread_and_where_it_spent_its_samp
         "schedule (vllm/sched.py)",
         "open_step (vllm_ext/attention/steps.py)",
     ]
+    # py-spy lagging (125 samples in 2.0 s at 100 Hz, not 200): shares are of the samples it
+    # says it took, not of rate x wall.
+    lagged = summarise(raw, wall_s=2.0, rate=100, taken=samples_taken(PY_SPY_END))
+    assert lagged["samples_taken"] == 125 and lagged["effective_rate_hz"] == 62.5
+    assert lagged["threads"][0]["active_share"] == pytest.approx(100 / 125)
+
+
+PY_SPY_END = (
+    "py-spy> Stopped sampling because Control-C pressed\n"
+    "py-spy> Wrote raw flamegraph data to 'x.txt'. Samples: 100 Errors: 25\n"
+)
 
 
 def test_host_profile_without_py_spy_says_why(tmp_path) -> None:
