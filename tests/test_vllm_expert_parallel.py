@@ -104,7 +104,10 @@ def colocated_serve_reference(
     the AFD servers start)."""
     if version not in _SERVE_REFERENCES:
         port = free_port()
-        colocated = Proc(serve_argv(model, port), log_dir / f"colocated-v{version}.log", vllm_env())
+        colocated = Proc(  # its worker in the engine core's process (conftest's colocated_serve)
+            serve_argv(model, port), log_dir / f"colocated-v{version}.log",
+            vllm_env(in_process=True),
+        )  # fmt: skip
         procs.append(colocated)
         try:
             wait_http_ok(f"http://127.0.0.1:{port}/health", 180, colocated.popen)
