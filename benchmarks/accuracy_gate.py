@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_ext.testing import accuracy_gate as gate  # noqa: E402
+from vllm_ext.testing.faults import ARMED_BY_ENV  # noqa: E402
 from vllm_ext.testing.processes import Daemon, Proc, stop_children_on_sigterm  # noqa: E402
 from vllm_ext.testing.procs import ffn_argv, vllm_env  # noqa: E402
 
@@ -74,10 +76,12 @@ def build_model(version: str, root: Path, ffn_gain: float = FFN_GAIN) -> Path:
     return out
 
 
-def _start_accuracy_run(model: Path, out: Path, log: Path, *args: str) -> Proc:
+def _start_accuracy_run(
+    model: Path, out: Path, log: Path, *args: str, stdin_pipe: bool = False
+) -> Proc:
     """One vllm_ext.testing.accuracy_run process (in-process engine), started."""
     argv = [sys.executable, "-m", "vllm_ext.testing.accuracy_run", str(model), "--out", str(out)]
-    return Proc([*argv, *args], log, vllm_env(in_process=True))
+    return Proc([*argv, *args], log, vllm_env(in_process=True), stdin_pipe=stdin_pipe)
 
 
 def _finish_accuracy_run(proc: Proc, out: Path) -> dict[str, Any]:
@@ -95,23 +99,38 @@ def _accuracy_run(model: Path, out: Path, log: Path, *args: str) -> dict[str, An
     return _finish_accuracy_run(_start_accuracy_run(model, out, log, *args), out)
 
 
+def _start_afd_servers(
+    procs: list[Proc],
+    model: Path,
+    work: Path,
+    name: str,
+    ffns: int,
+    fault: str,
+    armed_by: Path | None = None,
+) -> Daemon:
+    """afd-ctl and `ffns` FFN servers (experts split when 2; `fault`: the FFN side corrupts its
+    output as vllm_ext.testing.faults says, once `armed_by` exists when given), into `procs`."""
+    daemon = Daemon(work / f"{name}-daemon.log", "--expect-attention", "1",
+                    "--expect-ffn", str(ffns))  # fmt: skip
+    procs.append(daemon)
+    env = vllm_env({ARMED_BY_ENV: str(armed_by)} if armed_by else None)
+    for rank in range(ffns):
+        extra = ["--additional-config", json.dumps({"afd": {"ffn_rank": rank}})]
+        argv = ffn_argv(model, daemon.address, *(extra if ffns > 1 else []))
+        if fault:  # the same flags, to the test-only entry point that injects the fault
+            argv = [sys.executable, "-m", "vllm_ext.testing.faults", fault, *argv[2:]]
+        procs.append(Proc(argv, work / f"{name}-ffn{rank}.log", env))
+    return daemon
+
+
 def afd_run(
     model: Path, work: Path, name: str, reference: Path, ffns: int = 1, fault: str = ""
 ) -> dict[str, Any]:
-    """afd-ctl, `ffns` FFN servers (experts split when 2; `fault`: the FFN side corrupts its
-    output as vllm_ext.testing.faults says) and the attention side as an accuracy_run scoring
-    the reference's continuation."""
+    """afd-ctl, `ffns` FFN servers (_start_afd_servers) and the attention side as an
+    accuracy_run scoring the reference's continuation."""
     procs: list[Proc] = []
     try:
-        daemon = Daemon(work / f"{name}-daemon.log", "--expect-attention", "1",
-                        "--expect-ffn", str(ffns))  # fmt: skip
-        procs.append(daemon)
-        for rank in range(ffns):
-            extra = ["--additional-config", json.dumps({"afd": {"ffn_rank": rank}})]
-            argv = ffn_argv(model, daemon.address, *(extra if ffns > 1 else []))
-            if fault:  # the same flags, to the test-only entry point that injects the fault
-                argv = [sys.executable, "-m", "vllm_ext.testing.faults", fault, *argv[2:]]
-            procs.append(Proc(argv, work / f"{name}-ffn{rank}.log", vllm_env()))
+        daemon = _start_afd_servers(procs, model, work, name, ffns, fault)
         out = work / f"{name}.json"
         return _accuracy_run(model, out, work / f"{name}-attention.log", "--reference",
                              str(reference), "--afd-controller", daemon.address)  # fmt: skip
@@ -120,17 +139,59 @@ def afd_run(
             proc.stop()
 
 
+def afd_run_then_fault(
+    model: Path, work: Path, name: str, fault_name: str, reference: Path, fault: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """AFD 1:1 as afd_run, then `fault` on the same servers: the FFN server runs the fault's
+    entry point unarmed for the first run (its outputs untouched: the 1:1 case), armed by a
+    file for the second, which the same attention engine runs after it (accuracy_run's
+    --again-out). Saves the fault case's own three starts. The second run reads no KV of the
+    first: the tiny models' attention runs without prefix caching on CPU (vLLM turns it off
+    for MLA there, the tests' DeepSeek-V2). (The 1:1 run, the fault's.)"""
+    procs: list[Proc] = []
+    armed_by = work / f"{fault_name}.armed"
+    out, fault_out = work / f"{name}.json", work / f"{fault_name}.json"
+    try:
+        daemon = _start_afd_servers(procs, model, work, name, 1, fault, armed_by)
+        attention = _start_accuracy_run(
+            model, out, work / f"{name}-attention.log", "--reference", str(reference),
+            "--afd-controller", daemon.address, "--again-out", str(fault_out), stdin_pipe=True,
+        )  # fmt: skip
+        procs.append(attention)
+        attention.json_report(timeout=RUN_TIMEOUT_S)
+        armed_by.touch()
+        attention.send("go")
+        attention.wait_for(re.escape(json.dumps({"out": str(fault_out)})[:-1]), RUN_TIMEOUT_S)
+    finally:
+        for proc in procs:
+            proc.stop()
+    return json.loads(out.read_text()), json.loads(fault_out.read_text())
+
+
 def _afd_cases(
-    model: Path, work: Path, ref_path: Path, faults: tuple[str, ...], timings: dict[str, float]
+    model: Path,
+    work: Path,
+    ref_path: Path,
+    faults: tuple[str, ...],
+    timings: dict[str, float],
+    fault_on_1to1_servers: bool = False,
 ) -> dict[str, tuple[dict[str, Any], str]]:
-    """Each AFD case's run (one after the other) and the verdict it should get, by name."""
+    """Each AFD case's run (one after the other) and the verdict it should get, by name
+    (fault_on_1to1_servers: the first fault runs on the 1:1 case's servers, afd_run_then_fault)."""
     plan: list[tuple[str, int, str, str]] = [
         ("afd_1to1_eager", 1, "", "pass"),
         ("afd_1to2_experts_split_eager", 2, "", "pass"),
     ]
+    runs: dict[str, tuple[dict[str, Any], str]] = {}
+    if fault_on_1to1_servers and faults:
+        one, fault = plan.pop(0)[0], f"afd_1to1_eager_fault_{faults[0]}"
+        t = time.monotonic()
+        one_run, fault_run = afd_run_then_fault(model, work, one, fault, ref_path, faults[0])
+        runs[one], runs[fault] = (one_run, "pass"), (fault_run, "fail")
+        timings[f"{one}_then_fault"] = time.monotonic() - t
+        faults = faults[1:]
     for spec in faults:
         plan.append((f"afd_1to1_eager_fault_{spec}", 1, spec, "fail"))
-    runs: dict[str, tuple[dict[str, Any], str]] = {}
     for name, ffns, fault, expected in plan:
         t = time.monotonic()
         runs[name] = (afd_run(model, work, name, ref_path, ffns, fault), expected)
@@ -146,35 +207,50 @@ def gate_model(
     *,
     faults: tuple[str, ...] = FAULTS,
     overlap_compiled: bool = False,
+    fault_on_1to1_servers: bool = False,
 ) -> dict[str, Any]:
     """Every case of one model: {"envelope": ..., "cases": [...], "timings_s": ...}.
 
     overlap_compiled: the colocated compiled run (one process, most of it torch.compile: about
-    70 s on 2 cores) runs beside the AFD cases instead of before them; it needs only the
+    70 s on 2 cores) runs beside the reference and the AFD cases instead of after the reference
+    (its engine builds first; it reads the reference once that is written); it needs only the
     reference, and float32 with one OpenMP thread per process gives the same numbers under
     load. The tests' choice: the benchmark keeps the runs apart so each case's time is its own
-    (with the overlap, colocated_compiled's time runs until the AFD cases are done)."""
+    (with the overlap, colocated_compiled's time runs until the AFD cases are done).
+    fault_on_1to1_servers: the first fault runs on the 1:1 case's servers, after it
+    (afd_run_then_fault), not on servers of its own: also the tests' choice (three fewer vLLM
+    starts), while the benchmark times each case alone."""
     work.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    t = time.monotonic()
     ref_path = work / "colocated-eager.json"
-    reference = _accuracy_run(model, ref_path, work / "colocated-eager.log",
-                              "--prompts", str(prompts), "--tokens", str(tokens))  # fmt: skip
-    timings["colocated_eager"] = time.monotonic() - t
-    t_compiled = time.monotonic()
     compiled_out = work / "colocated-compiled.json"
-    compiled_proc = _start_accuracy_run(model, compiled_out, work / "colocated-compiled.log",
-                                        "--reference", str(ref_path), "--compiled")  # fmt: skip
+    compiled_log = work / "colocated-compiled.log"
+    compiled_args = ["--reference", str(ref_path), "--compiled"]
+    t_compiled = time.monotonic()
+    compiled_proc = None
+    if overlap_compiled:  # its engine (torch.compile) builds while the reference runs
+        compiled_proc = _start_accuracy_run(
+            model, compiled_out, compiled_log, *compiled_args, "--reference-after-go",
+            stdin_pipe=True,
+        )  # fmt: skip
     try:
-        if not overlap_compiled:
-            compiled = _finish_accuracy_run(compiled_proc, compiled_out)
+        t = time.monotonic()
+        reference = _accuracy_run(model, ref_path, work / "colocated-eager.log",
+                                  "--prompts", str(prompts), "--tokens", str(tokens))  # fmt: skip
+        timings["colocated_eager"] = time.monotonic() - t
+        if compiled_proc is None:
+            t_compiled = time.monotonic()
+            compiled = _accuracy_run(model, compiled_out, compiled_log, *compiled_args)
             timings["colocated_compiled"] = time.monotonic() - t_compiled
-        runs = _afd_cases(model, work, ref_path, faults, timings)
-        if overlap_compiled:
+        else:
+            compiled_proc.send("go")
+        runs = _afd_cases(model, work, ref_path, faults, timings, fault_on_1to1_servers)
+        if compiled_proc is not None:
             compiled = _finish_accuracy_run(compiled_proc, compiled_out)
             timings["colocated_compiled"] = time.monotonic() - t_compiled
     finally:
-        compiled_proc.stop()
+        if compiled_proc is not None:
+            compiled_proc.stop()
     envelope = gate.compare(reference, compiled)
     cases = []
     for name, (run, expected) in runs.items():

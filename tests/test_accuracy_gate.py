@@ -98,6 +98,21 @@ def test_the_faults_touch_one_layer_only() -> None:
             faults.parse(bad)
 
 
+def test_an_armed_fault_waits_for_its_file(tmp_path) -> None:
+    """AFD_FAULT_ARMED_BY: faithful outputs until the file exists, the fault from then on."""
+
+    def forward(layer: int, hidden: torch.Tensor, *rest: object) -> torch.Tensor:
+        return hidden * 2
+
+    arm = tmp_path / "arm"
+    faulty = faults.with_fault(forward, "shift_rows:1", str(arm))
+    x = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(faulty(1, x), x * 2)
+    arm.touch()
+    assert torch.equal(faulty(1, x), (x * 2)[[2, 0, 1]])
+    assert torch.equal(faulty(0, x), x * 2)  # still one layer only
+
+
 def test_partial_outputs_are_summed_in_float32_and_rounded_once() -> None:
     torch.manual_seed(0)
     parts = [torch.randn(64, 256).to(torch.bfloat16) for _ in range(2)]

@@ -7,7 +7,9 @@ rows shifted by one) that the gate must fail. One test starts every run of one m
 Fewer prompts and tokens than the gate's full size (32 x 64, the results JSON) to keep CI
 short: 16 prompts of 4-128 tokens, 32 continuation tokens each (512 scored tokens).
 The colocated compiled run (mostly torch.compile, one process) runs beside the AFD cases, not
-before them (gate_model's overlap_compiled).
+before them (gate_model's overlap_compiled), and the fault case runs on the 1:1 case's servers
+after it, its fault armed then (fault_on_1to1_servers): the 1:1 case's FFN server is the fault's
+entry point, unarmed, so 1:1's bit-identical check also shows the unarmed fault changes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ def test_afd_passes_the_accuracy_gate_and_a_row_fault_fails_it(tmp_path: Path) -
     (and 1:2 against 1:1) pass, the fault fails."""
     model = build_model("2", tmp_path / "models")
     result = gate_model(
-        model, tmp_path / "runs", PROMPTS, TOKENS, faults=(FAULT,), overlap_compiled=True
+        model,
+        tmp_path / "runs",
+        PROMPTS,
+        TOKENS,
+        faults=(FAULT,),
+        overlap_compiled=True,
+        fault_on_1to1_servers=True,
     )
     assert result["continuation_tokens"] == TOKENS and result["prompts"] == PROMPTS
     verdicts = {case["case"]: case["accuracy_gate"] for case in result["cases"]}

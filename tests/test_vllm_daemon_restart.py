@@ -22,6 +22,7 @@ pytestmark = pytest.mark.line_independent
 
 from tests.procs import Proc  # noqa: E402
 from tests.test_vllm_failures import (  # noqa: E402
+    UNI_EXECUTOR,
     AfdServers,
     answered_again,
     http_status,
@@ -73,7 +74,11 @@ def test_vllm_serve_survives_afd_ctl_restarts(
 ) -> None:
     liveness = ["--liveness-timeout-s", str(LIVENESS_S)]
     servers = start_afd_servers(
-        tiny_model, lambda *args: start_daemon(*args, *liveness), procs, tmp_path
+        tiny_model,
+        lambda *args: start_daemon(*args, *liveness),
+        procs,
+        tmp_path,
+        attention_env=UNI_EXECUTOR,
     )
     args = ["--expect-attention", "1", "--expect-ffn", "1", *liveness]
     for outage_s in (0.0, 5.0):

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cp
 
 from tests.colocated_serve import EACH, LONG, PROMPTS, ColocatedAnswers  # noqa: E402
 from tests.procs import Proc  # noqa: E402
-from tests.test_vllm_failures import post_error, wait_status  # noqa: E402
+from tests.test_vllm_failures import UNI_EXECUTOR, post_error, wait_status  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     bin_path,
     ffn_argv,
@@ -209,6 +209,9 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
         return proc
 
     def attention(rank: int) -> tuple[Proc, int]:
+        """Rank 0 with its worker in its engine core's process (test_vllm_failures'
+        UNI_EXECUTOR: a process fewer); rank 1, which drains and leaves (through
+        collective_rpc to its worker), with vLLM's CPU default, a worker process."""
         port = free_port()
         config = json.dumps({"afd": {"attention_rank": rank, **CAPACITY}})
         proc = Proc(
@@ -217,7 +220,7 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
                 "--additional-config", config,
             ),
             tmp_path / f"attention-{rank}.log",
-            vllm_env(),
+            vllm_env(UNI_EXECUTOR if rank == 0 else None),
         )  # fmt: skip
         procs.append(proc)
         return proc, port

@@ -104,7 +104,10 @@ def colocated_serve_reference(
     the AFD servers start)."""
     if version not in _SERVE_REFERENCES:
         port = free_port()
-        colocated = Proc(serve_argv(model, port), log_dir / f"colocated-v{version}.log", vllm_env())
+        colocated = Proc(  # its worker in the engine core's process (conftest's colocated_serve)
+            serve_argv(model, port), log_dir / f"colocated-v{version}.log",
+            vllm_env(in_process=True),
+        )  # fmt: skip
         procs.append(colocated)
         try:
             wait_http_ok(f"http://127.0.0.1:{port}/health", 180, colocated.popen)
@@ -203,7 +206,9 @@ def start_dp2_expert_parallel(
 ) -> tuple[Daemon, list[Proc], Proc, int]:  # fmt: skip
     """afd-ctl with --expert-parallel-size N, N FFN ranks and `vllm serve --data-parallel-size
     2` as the attention side: one FFN group that both attention ranks reach (without the flag,
-    2:2 would be two 1:1 pairs). (The daemon, FFN ranks, attention server, its port.)"""
+    2:2 would be two 1:1 pairs). One API server, not vLLM's default of one per DP rank: a
+    process fewer on 2 cores (test_vllm_serve's Qwen3-MoE DP=2 case has one per rank). (The
+    daemon, FFN ranks, attention server, its port.)"""
     # Up to seven processes on the CI's 2 cores: a loaded 2-core machine can miss afd-ctl's 2 s
     # liveness bound (the PD tests saw it): a machine too small for the topology, not a fault.
     daemon = start_daemon(
@@ -212,8 +217,9 @@ def start_dp2_expert_parallel(
     )  # fmt: skip
     ffns = start_ffn_ranks(model, daemon, procs, tmp_path, num_ffn, **(ffn_afd or {}))
     attention, port = start_attention_server(
-        model, daemon, procs, tmp_path, "--data-parallel-size", "2", *extra
-    )
+        model, daemon, procs, tmp_path, "--data-parallel-size", "2", "--api-server-count", "1",
+        *extra,
+    )  # fmt: skip
     return daemon, ffns, attention, port
 
 

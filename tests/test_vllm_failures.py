@@ -96,6 +96,14 @@ def wait_status(url: str, want: int, timeout_s: float) -> float:
     raise AssertionError(f"{url} did not answer {want} within {timeout_s} s")
 
 
+# The attention server's worker in its engine core's process (vLLM's uni executor: CPU vLLM
+# runs it only with VLLM_ENABLE_V1_MULTIPROCESSING=0, GPU vLLM by default at TP=1): a process
+# fewer, about 6 s of the 2 cores per start, for the tests whose point is not the worker's
+# process (the FFN-kill test here, the `vllm serve` tests and the others keep vLLM's CPU
+# default, a worker process).
+UNI_EXECUTOR = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 @dataclass
 class AfdServers:
     """afd-ctl, one FFN `vllm serve` and one attention `vllm serve`, healthy."""
@@ -229,8 +237,9 @@ def short_bound_pair(
     bound = {"AFD_STEP_TIMEOUT_S": "0.5"}
     try:
         yield start_afd_servers(
-            tiny_model, daemon, started, root, ffn_env=bound, attention_env=bound
-        )
+            tiny_model, daemon, started, root, ffn_env=bound,
+            attention_env={**bound, **UNI_EXECUTOR},
+        )  # fmt: skip
     finally:
         for proc in started:
             proc.stop()

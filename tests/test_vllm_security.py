@@ -15,7 +15,7 @@ pytestmark = pytest.mark.line_independent
 
 from tests.procs import Proc  # noqa: E402
 from tests.test_control_security import pki  # noqa: E402,F401 (the certificates fixture)
-from tests.test_vllm_failures import start_afd_servers, tiny_model  # noqa: E402,F401
+from tests.test_vllm_failures import UNI_EXECUTOR, start_afd_servers, tiny_model  # noqa: E402,F401
 from vllm_ext.testing.procs import ffn_argv, post_json, vllm_env  # noqa: E402
 
 TOKEN = "vllm-s3cret-token-4711"
@@ -47,7 +47,7 @@ def test_vllm_serve_with_mtls_and_a_token(
         procs,
         tmp_path,
         ffn_env={**tls_env, "AFD_AUTH_TOKEN_FILE": str(token_file)},
-        attention_env={**tls_env, "AFD_CTL_AUTH_TOKEN": TOKEN},
+        attention_env={**tls_env, "AFD_CTL_AUTH_TOKEN": TOKEN, **UNI_EXECUTOR},
     )
     assert servers.before  # a completion ran through the secured daemon
     assert post_json(servers.url, servers.body)["choices"][0]["text"] == servers.before

@@ -57,6 +57,17 @@ def afd_ctl(*args: str) -> str:
     return out.stdout
 
 
+def api_server_flags(kill_ffn: bool) -> list[str]:
+    """`--api-server-count 1` (one process fewer than vLLM's default of an API server per DP
+    rank: 15 s of a 2-core machine) but where the API server per rank is tested: the Qwen3-MoE
+    case (its failed steps answered by the API server of each request; on 0.32), and on vLLM
+    0.26 the DeepSeek-V2 case, that line's one DP=2 test (the afd section folded into the args
+    vLLM hands its API server processes: hooks.serve_cmd)."""
+    from vllm_ext import compat
+
+    return [] if kill_ffn or compat.vllm_line() == "0.26" else ["--api-server-count", "1"]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "model_fixture,kill_ffn",
@@ -76,7 +87,8 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
     """Attention DP=2 (`vllm serve --data-parallel-size 2`) : 1 FFN, DeepSeek-V2 and Qwen3-MoE:
     completions (each prompt alone in its batch) and a chat with the colocated server's text,
     afd-ctl relaying a step per token. Both attention ranks send every step (the idle one a
-    dummy batch); the payloads' tap shows the real per-rank counts. Stopping the attention
+    dummy batch); the payloads' tap shows the real per-rank counts. An API server per DP rank
+    (vLLM's default) where api_server_flags says, else one. Stopping the attention
     server makes the FFN server exit cleanly. (`vllm serve` 1:1 goes through the same seams:
     its servers start in test_vllm_failures, test_vllm_metrics and others.) Qwen3-MoE also
     loses its FFN server (kill -9) mid-request: the 503, /health, the idle engine's dummy
@@ -95,7 +107,7 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
     port = free_port()
     attention = Proc(
         serve_argv(
-            tiny_model, port, "--data-parallel-size", "2",
+            tiny_model, port, "--data-parallel-size", "2", *api_server_flags(kill_ffn),
             "--afd-role", "attention", "--afd-controller", daemon.address,
         ),
         tmp_path / "attention.log",

@@ -7,12 +7,15 @@ runs an FFN server (as `python -m vllm_ext.ffn`) that swaps two rows of layer LA
 output (a misplaced row; rows 0 and 1 by default), or shifts its rows by one (row i gets row
 i-1's output, the first the last's: a slice offset off by one), before it goes back to the
 attention side. The product never imports this module: only this entry point wraps the FFN
-engine, and it logs a warning saying so.
+engine, and it logs a warning saying so. With AFD_FAULT_ARMED_BY=PATH in its environment the
+server serves faithfully until the file PATH exists, then with the fault (a test compares one
+attention side's run before and after on the same servers).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV = "fault"
+ARMED_BY_ENV = "AFD_FAULT_ARMED_BY"
 ForwardLayer = Callable[..., Any]
 
 
@@ -40,15 +44,25 @@ def parse(spec: str) -> tuple[str, int, int, int]:
     return kind, layer, a, b
 
 
-def with_fault(forward_layer: ForwardLayer, spec: str) -> ForwardLayer:
-    """`forward_layer(layer, hidden, ...)` with the fault of `spec` applied to its output."""
+def with_fault(forward_layer: ForwardLayer, spec: str, armed_by: str = "") -> ForwardLayer:
+    """`forward_layer(layer, hidden, ...)` with the fault of `spec` applied to its output
+    (`armed_by`: only once that file exists)."""
     kind, layer, a, b = parse(spec)
-    log.warning("afd: %s=%s: layer %d's FFN output is corrupted (test only)", ENV, spec, layer)
+    when = f" once {armed_by} exists" if armed_by else ""
+    log.warning(
+        "afd: %s=%s: layer %d's FFN output is corrupted%s (test only)", ENV, spec, layer, when
+    )
+    armed = not armed_by
 
     def faulty(layer_idx: int, hidden_states: Any, *args: Any) -> Any:
+        nonlocal armed
         out = forward_layer(layer_idx, hidden_states, *args)
         if layer_idx != layer or out.shape[0] < 2:
             return out
+        if not armed:
+            armed = os.path.exists(armed_by)
+            if not armed:
+                return out
         if kind == "shift_rows":
             return out.roll(1, dims=0)
         if out.shape[0] > max(a, b):
@@ -73,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def faulty_init(self: FfnEngine, *init_args: Any, **kwargs: Any) -> None:
         built(self, *init_args, **kwargs)
-        self.forward_layer = with_fault(self.forward_layer, spec)  # type: ignore[method-assign]
+        self.forward_layer = with_fault(  # type: ignore[method-assign]
+            self.forward_layer, spec, os.environ.get(ARMED_BY_ENV, "")
+        )
 
     FfnEngine.__init__ = faulty_init  # type: ignore[method-assign]
     ffn_main(rest)
