@@ -36,7 +36,7 @@ ENV = "AFD_TIMELINE_DIR"
 # step tens of microseconds on the H200 host, which a benchmark times; the two after a step
 # give its period, its idle time and when the host opened the step after next.
 EVERY_ENV = "AFD_TIMELINE_EVERY"
-SAMPLED = 3  # steps k, k+1 and k+2 of every EVERY (k a multiple): a step and two after it
+SAMPLED = 3  # of every EVERY steps, the first three
 # Attention lines waiting for their step's verdict (or verdicts for their line), at most.
 MAX_WAITING = 64
 MAX_LINES = 200_000
@@ -99,7 +99,11 @@ class Timeline:
         return self._file is not None
 
     def _sampled(self, step_id: int) -> bool:
-        return self._file is not None and (self._every == 1 or step_id % self._every < SAMPLED)
+        """A line for this step is wanted (the file is open, not full, and the step sampled):
+        checked before any GPU time is read or a line formatted."""
+        if self._file is None or self._lines >= MAX_LINES:
+            return False
+        return self._every == 1 or step_id % self._every < SAMPLED
 
     def step(self, retired: Retired) -> None:
         """One step that ran to its end (its events have passed)."""
