@@ -616,6 +616,13 @@ def main() -> None:
         default=0.25,
         help="refuse a ratio whose 95%% interval is wider than this share of it",
     )
+    il.add_argument(
+        "--max-repeats", type=int, default=0,
+        help="more repeats (up to this many in all) of a batch size whose ratio interval is "
+        "wider than --interval-bound, before refusing it (default: --repeats only)",
+    )  # fmt: skip
+    il.add_argument("--more-budget-s", type=float, default=240.0,
+                    help="no further round of --max-repeats past this many seconds")  # fmt: skip
     il.add_argument("--prompt-tokens", type=int, default=128, help="GPU: each prompt's length")
     il.add_argument(
         "--colocated-memory",

@@ -8,7 +8,9 @@ B at one repeat, B, A at the next: benchmarks/interleave.py), so drift on a shar
 both alike. What is reported per depth and batch: both medians, the ratio AFD / colocated
 with its 95% bootstrap interval, and with two depths or more the fit of what AFD adds per step and
 per layer, each with its interval. A ratio interval wider than `--interval-bound` (relative)
-refuses the run, naming it; everything else decode_runner refuses stays refused.
+first gets more repeats of its batch size alone (`--max-repeats`, within `--more-budget-s`:
+noise measured longer where it is, not everywhere), then refuses the run, naming it;
+everything else decode_runner refuses stays refused.
 
 `--part` picks the parts (default `colocated,afd`): `afd_dbo` is an AFD pair whose attention
 engine runs dual-batch overlap (`--enable-dbo`, vLLM's decode threshold), GPU only (vLLM's
@@ -45,6 +47,7 @@ from typing import Any
 from benchmarks import gpu_setup, host_profile, timeline
 from benchmarks.interleave import (
     Lockstep,
+    More,
     expected_distinct_experts,
     interleave,
     layer_fit,
@@ -88,6 +91,13 @@ def parts_of(args: argparse.Namespace) -> list[str]:
     if "afd_dbo" in parts and not args.gpu:
         raise SystemExit("--part afd_dbo needs --gpu: vLLM's micro-batching runs on CUDA only")
     return parts
+
+
+def more_of(args: argparse.Namespace) -> More | None:
+    """--max-repeats past --repeats: more repeats of a batch size whose interval is too wide."""
+    if getattr(args, "max_repeats", 0) <= args.repeats:
+        return None
+    return More(args.interval_bound, args.max_repeats, args.more_budget_s)
 
 
 def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]:
@@ -174,7 +184,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             lockstep.append(Lockstep(part, proc))
         for part in lockstep:
             part.ready(args.start_timeout)
-        tpot = interleave(lockstep, batches, args.repeats, args.run_timeout)
+        tpot = interleave(lockstep, batches, args.repeats, args.run_timeout, more_of(args))
         profiles = {
             part.name: profile_repeat(args, part, ffn_procs.get(part.name), depth, tmp)
             for part in lockstep
@@ -229,6 +239,8 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
         "depths": sorted(depths),
         "decode_tokens": args.tokens,
         "repeats": args.repeats,
+        # More repeats (up to this many) where an interval stayed wider than the bound.
+        "max_repeats": max(args.repeats, getattr(args, "max_repeats", 0)),
         "parts": parts_of(args),
         "interleaved": "A, B then B, A per repeat, every engine up at once",
         "interval": "95% bootstrap of the ratio of medians",
@@ -261,6 +273,7 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
                             f"{r.as_list()} is wider than {args.interval_bound:.0%} of "
                             f"{r.value:.3f}"
                         )
+            row["repeats"] = min(len(v) for v in tpot.values())
             row["tpot_ms_repeats"] = tpot
             rows[f"batch_{b}"] = row
         for p in parts:

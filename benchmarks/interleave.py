@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from benchmarks.timing_stats import BenchmarkRefused
 from vllm_ext.testing.processes import Proc
@@ -80,17 +80,67 @@ class Lockstep:
         return self._wait("batches", 1, timeout_s)  # the report (decode_runner's last line)
 
 
+class Part(Protocol):
+    """What `interleave` drives: a Lockstep (or anything that runs one timed repeat)."""
+
+    name: str
+
+    def run(self, batch: int, repeat: int, timeout_s: float) -> float: ...
+
+
 def interleave(
-    parts: Sequence[Lockstep], batches: Sequence[int], repeats: int, timeout_s: float
+    parts: Sequence[Part],
+    batches: Sequence[int],
+    repeats: int,
+    timeout_s: float,
+    more: More | None = None,
 ) -> dict[str, dict[int, list[float]]]:
-    """Every part's TPOT (ms) per batch and repeat, the parts taking turns (A, B, then B, A)."""
+    """Every part's TPOT (ms) per batch and repeat, the parts taking turns (A, B, then B, A).
+
+    `more`: after the `repeats`, further rounds of only the batch sizes whose intervals are
+    still too wide (More.wide), in turn as before, until none is or More's bounds pass."""
     tpot: dict[str, dict[int, list[float]]] = {p.name: {b: [] for b in batches} for p in parts}
-    for r in range(repeats):
+
+    def one_round(r: int, todo: Sequence[int]) -> None:
         order = list(parts) if r % 2 == 0 else list(reversed(parts))
-        for b in batches:
+        for b in todo:
             for part in order:
                 tpot[part.name][b].append(part.run(b, r, timeout_s))
+
+    for r in range(repeats):
+        one_round(r, batches)
+    if more is not None:
+        deadline = time.monotonic() + more.budget_s
+        r = repeats
+        while r < more.max_repeats and time.monotonic() < deadline and (todo := more.wide(tpot)):
+            one_round(r, todo)
+            r += 1
     return tpot
+
+
+@dataclass(frozen=True)
+class More:
+    """Repeats past the first ones where a ratio's interval is wider than `bound` (relative):
+    up to `max_repeats` in all per batch size, no new round `budget_s` after the extra ones
+    began (a noisy batch size gets the repeats a quiet one does not need)."""
+
+    bound: float
+    max_repeats: int
+    budget_s: float
+
+    def wide(self, tpot: dict[str, dict[int, list[float]]]) -> list[int]:
+        """The batch sizes where some later part / earlier part interval is wider than bound."""
+        names = list(tpot)
+        batches = list(tpot[names[0]]) if names else []
+        return [
+            b
+            for b in batches
+            if any(
+                ratio_interval(tpot[later][b], tpot[earlier][b]).relative_width > self.bound
+                for i, earlier in enumerate(names)
+                for later in names[i + 1 :]
+            )
+        ]
 
 
 @dataclass(frozen=True)

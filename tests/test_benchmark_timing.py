@@ -323,6 +323,7 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
     assert row["ratio_tpot_afd_vs_colocated"] == pytest.approx(8.2 / 8.0, abs=1e-3)
     assert row["ratio_tpot_afd_dbo_vs_afd"] == pytest.approx(6.5 / 8.2, abs=1e-3)
     assert row["ratio_tpot_afd_dbo_vs_colocated"] == pytest.approx(6.5 / 8.0, abs=1e-3)
+    assert row["repeats"] == 5 and result["max_repeats"] == 5
     assert set(result["layers_3"]) >= {"afd_exchange", "afd_dbo_exchange", "afd_dbo_timeline"}
     assert result["routed_experts_per_moe_layer"] == 128
     assert result["distinct_experts_per_moe_layer_per_step"]["256"] > 127
@@ -554,3 +555,37 @@ def test_kept_logs_carry_the_timelines(tmp_path) -> None:
     kept = tmp_path / "kept" / "colocated_afd_depth2"
     assert (kept / "afd-2.log").read_text() == "log\n"
     assert (kept / "timeline" / "afd" / "attention-0-1.jsonl").read_text() == "{}\n"
+
+
+def test_a_noisy_batch_size_gets_more_repeats_until_its_interval_is_narrow() -> None:
+    """Issue 33 item 5: noise is measured (more repeats where an interval is wide), a quiet
+    batch size keeps its repeats, and the extra rounds stop at their bound."""
+    from benchmarks.interleave import More, interleave
+
+    class Engine:
+        """A part whose TPOT at batch 256 alternates wildly for its first repeats, then
+        settles; at batch 16 it is steady."""
+
+        def __init__(self, name: str, base: float) -> None:
+            self.name, self.base, self.runs = name, base, []
+
+        def run(self, batch: int, repeat: int, timeout_s: float) -> float:
+            self.runs.append((batch, repeat))
+            if batch == 256 and repeat < 4:
+                return self.base * (3.0 if repeat % 2 else 0.5)
+            return self.base
+
+    parts = [Engine("colocated", 2.0), Engine("afd", 2.2)]
+    more = More(bound=0.25, max_repeats=30, budget_s=60.0)
+    tpot = interleave(parts, [16, 256], repeats=5, timeout_s=1.0, more=more)
+    assert len(tpot["afd"][16]) == 5  # narrow from the start: no repeat more
+    assert 5 < len(tpot["afd"][256]) < 30  # more until narrow, not up to the cap
+    assert not more.wide(tpot)
+    # Turns alternate in the extra rounds too, and both parts ran every repeat.
+    assert [r for b, r in parts[0].runs if b == 256] == list(range(len(tpot["afd"][256])))
+    # A batch size that never settles stops at max_repeats (then the summary refuses it).
+    tpot = interleave(parts, [256], repeats=3, timeout_s=1.0, more=More(0.0, 7, 60.0))
+    assert len(tpot["afd"][256]) == 7
+    # No budget left: no extra round.
+    tpot = interleave(parts, [256], repeats=3, timeout_s=1.0, more=More(0.0, 7, -1.0))
+    assert len(tpot["afd"][256]) == 3
