@@ -93,6 +93,12 @@ def parts_of(args: argparse.Namespace) -> list[str]:
     return parts
 
 
+def model_len(args: argparse.Namespace) -> int:
+    """GPU: every engine's max_model_len, 1024 or what a prompt and its decode need (long
+    prompts make attention the larger part of a step: where dual-batch overlap can pay)."""
+    return max(1024, args.prompt_tokens + args.tokens + 16)
+
+
 def more_of(args: argparse.Namespace) -> More | None:
     """--max-repeats past --repeats: more repeats of a batch size whose interval is too wide."""
     if getattr(args, "max_repeats", 0) <= args.repeats:
@@ -114,6 +120,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             model = gpu_setup.write_v3_shaped(tmp / "model", depth, args.experts)
             extra_path = gpu_setup.plugin_path(tmp)
             base = gpu_llm_kwargs(max(batches), 0.0)
+            base["max_model_len"] = model_len(args)
             if args.cudagraph_mode:
                 base["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
             colo_kwargs = dict(base, gpu_memory_utilization=args.colocated_memory,
@@ -123,7 +130,8 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             env = {**gpu_setup.gpu_env("0", extra_path), **ROUTING, "PYTHONUNBUFFERED": "1"}
             runner_extra = ["--gpu", "--prompt-tokens", str(args.prompt_tokens)]
             ffn_flags = [
-                "--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "1024",
+                "--dtype", "bfloat16", "--load-format", "dummy",
+                "--max-model-len", str(base["max_model_len"]),
                 "--max-num-seqs", str(max(batches)),
                 "--max-num-batched-tokens", str(base["max_num_batched_tokens"]),
                 "--gpu-memory-utilization", str(gpu_setup.ONE_GPU.ffn_memory),
@@ -253,6 +261,7 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
             str(b): round(expected_distinct_experts(args.experts, 8, b), 1) for b in batches
         }
         result["cudagraph_mode"] = args.cudagraph_mode or "vLLM default"
+        result["prompt_tokens"], result["max_model_len"] = args.prompt_tokens, model_len(args)
     refusals = []
     for depth, run in sorted(depths.items()):
         parts = list(run["tpot_ms"])

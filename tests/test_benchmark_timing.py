@@ -308,7 +308,7 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
 
     args = argparse.Namespace(
         part="colocated,afd,afd_dbo", gpu=True, batches="64,256", tokens=256, repeats=5,
-        interval_bound=0.25, cudagraph_mode="FULL_DECODE_ONLY", experts=128,
+        interval_bound=0.25, cudagraph_mode="FULL_DECODE_ONLY", experts=128, prompt_tokens=4096,
     )  # fmt: skip
     assert parts_of(args) == ["colocated", "afd", "afd_dbo"]
     tpot = {
@@ -324,6 +324,8 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
     assert row["ratio_tpot_afd_dbo_vs_afd"] == pytest.approx(6.5 / 8.2, abs=1e-3)
     assert row["ratio_tpot_afd_dbo_vs_colocated"] == pytest.approx(6.5 / 8.0, abs=1e-3)
     assert row["repeats"] == 5 and result["max_repeats"] == 5
+    # Long prompts (attention the larger part of a step) get a model length that holds them.
+    assert result["max_model_len"] == 4096 + 256 + 16
     assert set(result["layers_3"]) >= {"afd_exchange", "afd_dbo_exchange", "afd_dbo_timeline"}
     assert result["routed_experts_per_moe_layer"] == 128
     assert result["distinct_experts_per_moe_layer_per_step"]["256"] > 127
