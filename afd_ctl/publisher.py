@@ -24,6 +24,7 @@ import grpc
 
 from afd_ctl.errors import AfdRejected, AfdStaleEpoch, AfdTimeout
 from afd_ctl.session_link import PERMANENT_CODES
+from afd_ctl.threads import name_os_thread, named_thread
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.wire import PUBLISH_SECRET_METADATA, WORKER_ID_METADATA
 
@@ -110,9 +111,7 @@ class Publisher:
             batches = _batches(requests, lambda: self.window(), self.sent)
             call = self._stub.PublishBatch(batches, metadata=metadata)
             stream = self._stream = _Stream(requests, call)
-            threading.Thread(
-                target=self._read_acks, args=(stream,), name="afd-publish-acks", daemon=True
-            ).start()
+            named_thread(self._read_acks, "afd-publish-acks", (stream,)).start()
             return stream
 
     def retire(self) -> None:
@@ -184,6 +183,7 @@ def _batches(
 ) -> Iterator[afd_pb2.AFDControlPayloads]:
     """The stream's messages: what queued, in order, at most MAX_BATCH payloads each; ends at
     the None that half-closes the stream (after the payloads queued before it)."""
+    name_os_thread("afd-publish")  # it runs on grpcio's thread that reads the request iterator
     while True:
         first = requests.get()
         if first is None:

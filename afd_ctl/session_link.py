@@ -20,6 +20,7 @@ import grpc
 from afd_ctl.channel import CLOSED_IN_HANDSHAKE_STRIKES, ClientTls, tls_problem
 from afd_ctl.errors import AfdControllerUnreachable, AfdRejected
 from afd_ctl.membership_view import MembershipView
+from afd_ctl.threads import named_thread
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,7 @@ class SessionLink:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"afd-session-{self._register.worker_id}", daemon=True
-            )
+            self._thread = named_thread(self._run, f"afd-session-{self._register.worker_id}")
             self._thread.start()
 
     def add_unreachable_listener(self, listener: UnreachableListener) -> None:
@@ -285,7 +284,7 @@ class _Watchdog:
         self._last = time.monotonic()
         self._done = threading.Event()
         self.fired = False
-        threading.Thread(target=self._run, name="afd-session-watchdog", daemon=True).start()
+        named_thread(self._run, "afd-session-watchdog", os_name="afd-link-watch").start()
 
     def heard(self) -> None:
         self._last = time.monotonic()

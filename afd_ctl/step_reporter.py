@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from afd_ctl.report_checks import MAX_STEP_ENTRIES
+from afd_ctl.threads import named_thread
 from afd_ctl.v1 import afd_pb2
 
 MAX_SPANS = 20000
@@ -136,8 +137,8 @@ class StepReporter:
         with self._pending_lock:
             if self._timer is not None or self._closed:
                 return
-            self._timer = threading.Thread(
-                target=self._flush_when_idle, name="afd-step-reporter", daemon=True
+            self._timer = named_thread(
+                self._flush_when_idle, "afd-step-reporter", os_name="afd-reporter"
             )
         self._timer.start()
 

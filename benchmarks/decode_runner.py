@@ -36,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import thread_clock  # noqa: E402
 from benchmarks.timing_stats import (  # noqa: E402
     BenchmarkRefused,
     DecodeRun,
@@ -221,6 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[int, list[DecodeRun]] = {b: [] for b in batches}
     exchange: dict[int, list[tuple[float, ...]]] = {b: [] for b in batches}
     mlp: dict[int, list[float]] = {b: [] for b in batches}
+    threads: dict[int, list[dict[str, Any]]] = {b: [] for b in batches}  # thread_clock
     tokens: dict[int, list[list[int]]] = {}
     same_tokens = True
     retried: list[str] = []
@@ -238,7 +240,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             before = counters.snapshot(cached)
             if timers is not None:
                 timers.steps.clear()
+            labels = thread_clock.tree_labels(os.getpid(), args.ffn_pid)
+            threads_before = thread_clock.snapshot(labels)
             outs, wall = generate(b, args.tokens)
+            threads_after = thread_clock.snapshot(labels)
             now = counters.cache_entries()
             after = counters.snapshot(now)
             refuse_late_events(
@@ -261,6 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                f"{last_tokens_ms:.1f} ms); taken again")  # fmt: skip
                 print(retried[-1], file=sys.stderr, flush=True)
         runs[b].append(run)
+        threads[b].append(thread_clock.per_step(threads_before, threads_after, args.tokens))
         print(f"{what}: TPOT {1e3 * run.tpot_s:.3f} ms, {run.tokens_per_s:.1f} decode tokens/s",
               file=sys.stderr, flush=True)  # fmt: skip
         if timers is not None:
@@ -311,6 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tpot_ms_repeats": [round(1e3 * x.tpot_s, 4) for x in runs[b]],
             "token_ids": tokens[b],
         }
+        if any(threads[b]):  # per decode step of the timed runs, its prefill included
+            row["threads_per_step"] = thread_clock.median_per_step(threads[b])
         if mlp[b]:
             row["mlp_ms_per_step"] = round(
                 1e3 * positive(statistics.median(mlp[b]), f"batch {b}: MLP time"), 4
@@ -366,6 +374,8 @@ def main() -> None:
     parser.add_argument("--llm-kwargs", default="{}", help="JSON: LLM() arguments to override")
     parser.add_argument("--afd-controller", default="")
     parser.add_argument("--ffn-log", default="", help="the FFN server's log (late captures)")
+    parser.add_argument("--ffn-pid", type=int, default=0,
+                        help="the FFN server's process: its threads' CPU per step too")  # fmt: skip
     parser.add_argument("--gpu", action="store_true", help="no CPU environment settings")
     parser.add_argument("--mlp-timers", action="store_true", help="CPU: time the MLP modules")
     parser.add_argument("--spread-bound", type=float, required=True)

@@ -175,7 +175,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
                 kwargs["enable_dbo"] = True
             attention = Proc(
                 _runner(args, model, kwargs, *runner_extra, "--afd-controller", daemon.address,
-                        "--ffn-log", str(ffn_log)),
+                        "--ffn-log", str(ffn_log), "--ffn-pid", str(ffn_procs[part].pid)),
                 tmp / f"{part}-{depth}.log", part_env, stdin_pipe=True,
             )  # fmt: skip
             procs.append(attention)
@@ -283,6 +283,10 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
                             f"{r.value:.3f}"
                         )
             row["repeats"] = min(len(v) for v in tpot.values())
+            for p in parts:  # where each part's CPU went per step (benchmarks/thread_clock.py)
+                threads = run["reports"][p].get("batches", {}).get(str(b), {})
+                if threads.get("threads_per_step"):
+                    row[f"threads_per_step_{p}"] = threads["threads_per_step"]
             row["tpot_ms_repeats"] = tpot
             rows[f"batch_{b}"] = row
         for p in parts:

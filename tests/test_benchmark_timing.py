@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from typing import Any
 
 import pytest
@@ -591,3 +592,49 @@ def test_a_noisy_batch_size_gets_more_repeats_until_its_interval_is_narrow() -> 
     # No budget left: no extra round.
     tpot = interleave(parts, [256], repeats=3, timeout_s=1.0, more=More(0.0, 7, -1.0))
     assert len(tpot["afd"][256]) == 3
+
+
+def test_thread_clock_names_each_threads_cpu_per_step() -> None:
+    """Issue 33: where a process's CPU goes per step, thread by thread, without sampling: a
+    busy AFD-named thread shows its CPU under its own name, an idle one does not."""
+    import os
+    import threading
+
+    from afd_ctl.threads import named_thread
+    from benchmarks import thread_clock
+
+    if not os.path.exists(f"/proc/{os.getpid()}/task"):
+        pytest.skip("no /proc: Linux only")
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    busy = named_thread(spin, "afd-test-busy")
+    idle = named_thread(stop.wait, "afd-test-idle", (30.0,))
+    busy.start()
+    idle.start()
+    try:
+        labels = thread_clock.tree_labels(os.getpid())
+        before = thread_clock.snapshot(labels)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # until the spinning thread has had 50 ms of CPU
+            after = thread_clock.snapshot(labels)
+            if (
+                after.get("runner:afd-test-busy", (0, 0, 0))[0]
+                - before.get("runner:afd-test-busy", (0, 0, 0))[0]
+                > 50e6
+            ):
+                break
+            stop.wait(0.01)
+        per = thread_clock.per_step(before, after, steps=10)
+    finally:
+        stop.set()
+        busy.join(5.0)
+        idle.join(5.0)
+    assert per["runner:afd-test-busy"]["cpu_us"] >= 5000  # 50 ms over 10 steps
+    assert "runner:afd-test-idle" not in per  # under the floor
+    assert all(key.startswith("runner:") for key in per)
+    median = thread_clock.median_per_step([per, {}, per])
+    assert median["runner:afd-test-busy"] == per["runner:afd-test-busy"]

@@ -90,3 +90,32 @@ def test_unix_listen_path_that_is_not_a_socket_is_left_alone(tmp_path):
     assert out.returncode == 1, out.stderr
     assert f"cannot listen on unix:{path}: it exists and is not a socket" in out.stderr
     assert path.read_text() == "keep me"
+
+
+def test_a_workers_afd_threads_carry_their_names_for_the_os(start_daemon, procs, tmp_path):
+    """`top -H`, `ps -L` and perf name a worker's AFD threads (afd_ctl.threads), not only
+    Python: an operator tells the session, publish and acks threads apart from the engine's."""
+    from pathlib import Path
+
+    from tests.test_gpu_step_verdicts import wait_until
+
+    daemon = start_daemon()
+    ffn = sim_worker(tmp_path / "ffn.log", daemon.address, "ffn", "--steps", "0", "--hold-s", "60")
+    attn = sim_worker(tmp_path / "attn.log", daemon.address, "attention",
+                      "--steps", "100000", "--rate", "100")  # fmt: skip
+    procs.extend([ffn, attn])
+
+    def names() -> set[str]:
+        task = Path(f"/proc/{attn.pid}/task")
+        found = set()
+        for tid in task.iterdir():
+            try:
+                found.add((tid / "comm").read_text().strip())
+            except OSError:  # a thread that ended meanwhile
+                continue
+        return found
+
+    # Publishing (100 steps a second): its session, link watch, publish and acks threads.
+    expected = {"afd-publish", "afd-publish-ack", "afd-link-watch"}  # 15 bytes at most
+    assert wait_until(lambda: expected <= names(), 30.0), names()
+    assert any(n.startswith("afd-session-") for n in names()), names()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from afd_ctl.errors import AfdTimeout
+from afd_ctl.threads import named_thread
 from afd_data.errors import AfdPeerLost
 
 log = logging.getLogger(__name__)
@@ -313,7 +314,7 @@ class StepWatchdog:
                 self.thread_rounds += 1
                 self._sleep(WATCH_S)
 
-        self._thread = threading.Thread(target=loop, name="afd-gpu-watchdog", daemon=True)
+        self._thread = named_thread(loop, "afd-gpu-watchdog", os_name="afd-gpu-watch")
         self._thread.start()
 
     def stop(self) -> None:

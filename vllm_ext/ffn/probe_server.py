@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from afd_ctl.threads import named_thread
+
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64
@@ -65,7 +67,7 @@ class ProbeServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._open: dict[int, _Connection] = {}
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="afd-ffn-probes", daemon=True)
+        self._thread = named_thread(self._serve, "afd-ffn-probes")
 
     def start(self) -> None:
         self._thread.start()
