@@ -640,6 +640,12 @@ def main() -> None:
     )
     il.add_argument("--log-dir", default="", help="keep every process's log of each run here")
     il.add_argument(
+        "--base-tree", default="",
+        help="another checkout of this project (e.g. `git archive` of the commit before a "
+        "change): --part afd_base is an AFD pair run from it, so one call measures before "
+        "against after",
+    )  # fmt: skip
+    il.add_argument(
         "--host-profile-batch", type=int, default=0,
         help="after the timed repeats, one more repeat at this batch per part under py-spy "
         "(benchmarks/host_profile.py; raw stacks kept under --log-dir)",

@@ -18,7 +18,9 @@ micro-batching needs CUDA); `afd_relay` is the AFD pair with `AFD_DIRECT_PAYLOAD
 payload reaches the FFN server through afd-ctl's relay only, as before afd_ctl.direct), so
 `--part afd_relay,afd` measures the direct path in one call; `afd_unbatched` is the AFD pair
 with `AFD_PUBLISH_COALESCE_S=0` (the sender's copies to afd-ctl one message per step), so
-`--part afd_unbatched,afd` measures the coalescing window in one call. Every later part is compared with every earlier one
+`--part afd_unbatched,afd` measures the coalescing window in one call; `afd_base` is the AFD
+pair run from another checkout (`--base-tree DIR`: its afd-ctl, plugin and runner), so
+`--part colocated,afd_base,afd` measures a change before and after in one call. Every later part is compared with every earlier one
 (`ratio_tpot_afd_dbo_vs_afd`, `ratio_tpot_afd_dbo_vs_colocated`, ...). One H200 holds two
 V3-shaped engines of 3 layers, not three: there, `colocated,afd_dbo` and `afd,afd_dbo` are two
 calls.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -71,7 +74,7 @@ def _runner(
     ]  # fmt: skip
 
 
-INTERLEAVED_PARTS = ("colocated", "afd", "afd_relay", "afd_unbatched", "afd_dbo")
+INTERLEAVED_PARTS = ("colocated", "afd", "afd_relay", "afd_unbatched", "afd_dbo", "afd_base")
 AFD_PARTS = INTERLEAVED_PARTS[1:]
 # The afd_relay part: step payloads through afd-ctl's relay only (no direct copy on the host).
 RELAY_ONLY = {"AFD_DIRECT_PAYLOADS": "off"}
@@ -90,7 +93,31 @@ def parts_of(args: argparse.Namespace) -> list[str]:
         )
     if "afd_dbo" in parts and not args.gpu:
         raise SystemExit("--part afd_dbo needs --gpu: vLLM's micro-batching runs on CUDA only")
+    if "afd_base" in parts:
+        base_tree(args)
     return parts
+
+
+def base_tree(args: argparse.Namespace) -> Path:
+    """The checkout --part afd_base runs from, checked."""
+    tree = Path(args.base_tree or ".").resolve()
+    if not args.base_tree or not (tree / "benchmarks" / "decode_runner.py").is_file():
+        raise SystemExit(
+            f"--part afd_base needs --base-tree DIR, a checkout of this project ({tree} has no "
+            "benchmarks/decode_runner.py); e.g. mkdir DIR && git archive BASE | tar -x -C DIR"
+        )
+    return tree
+
+
+def from_tree(tree: Path, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """`argv` and `env` run from the checkout `tree`: its runner script, its packages first on
+    the path (the processes start in it, so `python -m` finds its packages first too)."""
+    from benchmarks.e2e_decode import RUNNER
+
+    argv = [str(tree / RUNNER.relative_to(RUNNER.parents[1])) if a == str(RUNNER) else a
+            for a in argv]  # fmt: skip
+    path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    return argv, {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), path) if p)}
 
 
 def model_len(args: argparse.Namespace) -> int:
@@ -148,9 +175,19 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             ffn_flags = ffn_mla
 
         def afd_pair(part: str) -> Proc:
-            """afd-ctl, an FFN server and the attention engine of one AFD part."""
+            """afd-ctl, an FFN server and the attention engine of one AFD part (afd_base: all
+            three from --base-tree)."""
+            tree = base_tree(args) if part == "afd_base" else None
+
+            def start(argv: list[str], log: Path, env: dict[str, str], **kw: Any) -> Proc:
+                if tree is not None:
+                    argv, env = from_tree(tree, argv, env)
+                return Proc(argv, log, env, cwd=tree, **kw)
+
+            daemon_env = from_tree(tree, [], {})[1] if tree is not None else None
             daemon = Daemon(tmp / f"daemon-{part}-{depth}.log",
-                            "--expect-attention", "1", "--expect-ffn", "1")  # fmt: skip
+                            "--expect-attention", "1", "--expect-ffn", "1",
+                            env=daemon_env, cwd=tree)  # fmt: skip
             procs.append(daemon)
             part_timeline = str(timeline_dir / part)
             timeline_env = {"AFD_TIMELINE_DIR": part_timeline, "AFD_TIMELINE_EVERY": "8"}
@@ -162,18 +199,18 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
                     sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
                     "--afd-role", "ffn", "--afd-controller", daemon.address, *ffn_flags,
                 ]  # fmt: skip
-                ffn_procs[part] = Proc(argv, ffn_log, part_env)
+                ffn_procs[part] = start(argv, ffn_log, part_env)
             else:
                 ffn_env = {**vllm_env(), **timeline_env}
                 ffn_env.update(PART_ENV.get(part, {}))
-                ffn_procs[part] = Proc(
+                ffn_procs[part] = start(
                     ffn_argv(model, daemon.address, *ffn_flags), ffn_log, ffn_env
                 )
             procs.append(ffn_procs[part])
             kwargs = dict(attn_kwargs)
             if part == "afd_dbo":  # dual-batch overlap from vLLM's decode threshold on
                 kwargs["enable_dbo"] = True
-            attention = Proc(
+            attention = start(
                 _runner(args, model, kwargs, *runner_extra, "--afd-controller", daemon.address,
                         "--ffn-log", str(ffn_log), "--ffn-pid", str(ffn_procs[part].pid)),
                 tmp / f"{part}-{depth}.log", part_env, stdin_pipe=True,

@@ -339,6 +339,29 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
         parts_of(argparse.Namespace(part="colocated,afd_dbo", gpu=False))
 
 
+def test_the_afd_base_part_runs_every_process_from_the_other_checkout(tmp_path) -> None:
+    """`--part colocated,afd_base,afd --base-tree DIR`: before and after a change in one call;
+    the base part's processes start in DIR, with DIR first on their path and DIR's runner."""
+    import argparse
+    import os
+
+    from benchmarks.e2e_decode import RUNNER
+    from benchmarks.e2e_interleaved import from_tree, parts_of
+
+    args = argparse.Namespace(part="colocated,afd_base,afd", gpu=True, base_tree="")
+    with pytest.raises(SystemExit, match="needs --base-tree DIR"):
+        parts_of(args)
+    args.base_tree = str(tmp_path)
+    with pytest.raises(SystemExit, match="has no benchmarks/decode_runner.py"):
+        parts_of(args)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "decode_runner.py").write_text("")
+    assert parts_of(args) == ["colocated", "afd_base", "afd"]
+    argv, env = from_tree(tmp_path, ["python", str(RUNNER), "--tokens", "8"], {"PYTHONPATH": "x"})
+    assert argv == ["python", str(tmp_path / "benchmarks" / "decode_runner.py"), "--tokens", "8"]
+    assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path), "x"])
+
+
 def test_the_v3_shaped_model_can_have_fewer_experts_so_deeper_models_fit_two_engines() -> None:
     """Issue 33's fit needs colocated and AFD at 4 layers on one H200 at once (141 GB of
     experts at V3's 256): a smaller expert count, the same for every part, stated in the JSON."""
@@ -458,9 +481,22 @@ def test_afd_host_time_per_step_parts() -> None:
         "afd_host_us_close_enqueue_median": 0.0,
         "afd_host_us_close_closed_median": 0.0,
         "afd_host_us_per_step_median": 120.0,
+        "afd_host_cpu_us_per_step_median": 0.0,
     }
     started = host.start()
     assert host.add("retired", started) >= started  # the next part starts where it ended
+    # The runner's CPU time in open and close: a busy part counts, a sleeping one barely.
+    host = HostTime()
+    host.cpu_from()
+    deadline = time.perf_counter() + 0.02
+    while time.perf_counter() < deadline:
+        pass
+    host.cpu_to()
+    host.cpu_from()
+    time.sleep(0.02)
+    host.cpu_to()
+    host.step_done()
+    assert 15e3 <= host.stats()["afd_host_cpu_us_per_step_median"] <= 35e3  # ~20 ms, not ~40
 
 
 def test_ffn_warm_up_covers_odd_row_counts_below_each_size() -> None:

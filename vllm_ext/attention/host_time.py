@@ -21,12 +21,25 @@ WINDOW = 1000
 # the direct copies (afd_ctl.direct); "enqueue" (the exchange's end_step) and "closed" (the
 # session's bookkeeping: metrics, fence) are parts of "close".
 PARTS = ("open", "publish", "close", "connect", "begin", "retired", "direct", "enqueue", "closed")
+# Besides: the runner thread's CPU time in open and close (`cpu`, time.thread_time): where the
+# wall time of the parts is well above it, they wait (the interpreter lock, a lock, the OS).
 
 
 class HostTime:
     def __init__(self) -> None:
         self._step = dict.fromkeys(PARTS, 0.0)
         self._recent: deque[tuple[float, ...]] = deque(maxlen=WINDOW)
+        self._cpu = 0.0  # the step's CPU time so far
+        self._cpu_from = 0.0
+        self._cpu_recent: deque[float] = deque(maxlen=WINDOW)
+
+    def cpu_from(self) -> None:
+        """The runner's CPU time counts from now (open or close begins)."""
+        self._cpu_from = time.thread_time()
+
+    def cpu_to(self) -> None:
+        """... until now (open or close ends)."""
+        self._cpu += time.thread_time() - self._cpu_from
 
     def start(self) -> float:
         """A part begins; pass what this returns to `add`."""
@@ -42,6 +55,8 @@ class HostTime:
         """The step closed: its parts join the window (in PARTS order: the dict's own)."""
         self._recent.append(tuple(self._step.values()))
         self._step = dict.fromkeys(PARTS, 0.0)
+        self._cpu_recent.append(self._cpu)
+        self._cpu = 0.0
 
     def stats(self) -> dict[str, float]:
         """Medians over the window, µs: "open" without its "publish", its own parts, "close",
@@ -65,4 +80,7 @@ class HostTime:
         }
         totals = [o + c for o, c in zip(opens, closes, strict=True)]
         out["afd_host_us_per_step_median"] = round(1e6 * statistics.median(totals), 1)
+        if self._cpu_recent:
+            cpu = statistics.median(self._cpu_recent)
+            out["afd_host_cpu_us_per_step_median"] = round(1e6 * cpu, 1)
         return out

@@ -148,6 +148,7 @@ class AttentionSteps:
         `full_graph`: vLLM runs this step as a FULL CUDA graph. Capturing one records the
         GPU-driven exchange without running it: such a step is published `records_only`, so
         the FFN side captures its graph for the same token counts and runs nothing either."""
+        self.host_time.cpu_from()
         opened = self.host_time.start()
         if self._step is not None:
             self._finish_abandoned_step()
@@ -188,6 +189,7 @@ class AttentionSteps:
             self.flag_counts.count(step.flags, counts)
         self.link.step_opened(step.step_id)
         self.host_time.add("open", opened)
+        self.host_time.cpu_to()
 
     def _failing(
         self, step_id: int, layer: int | None = None
@@ -308,6 +310,7 @@ class AttentionSteps:
         self._step = None
         if step is None or exchange is None:
             return
+        self.host_time.cpu_from()
         closing = self.host_time.start()
         with self._failing(step.step_id):
             exchange.end_step()
@@ -316,6 +319,7 @@ class AttentionSteps:
         self.link.step_closed()
         self.host_time.add("closed", bookkeeping)
         self.host_time.add("close", closing)
+        self.host_time.cpu_to()
         self.host_time.step_done()
 
     def finish_forward(self) -> None:

@@ -67,17 +67,27 @@ class _GpuSide:
         self.timeline = Timeline(plane.role.label, plane.rank, verdicts=self.has_verdicts)
         self.stream = current_stream_of(torch.device(plane.device))  # its handle, read cheaply
         self.events = EventPool(driver(), self.stream)
+        # Reporting retired steps: taking them from the watchdog, then reporting them.
+        self.retire_take_s = self.retire_report_s = 0.0
+        self.retire_calls = 0
 
-    def _report_retired(self) -> None:
-        """Steps that ran to their end, into the step timings (on the host's thread)."""
+    def _report_retired(self, look: bool = True) -> None:
+        """Steps that ran to their end, into the step timings (on the host's thread); `look`:
+        also those whose end passed since the last verdict or round (a driver call)."""
         timings = self.reporting.timings
-        for retired in self.watchdog.take_retired():
+        t0 = time.perf_counter()
+        taken = self.watchdog.take_retired(look)
+        t1 = time.perf_counter()
+        for retired in taken:
             if retired.gpu_s > 0:
                 self._gpu_s.append(retired.gpu_s)
             if timings is not None:
                 timings.gpu_step(retired)
             self.timeline.step(retired)
             self.events.give_back(retired.start, retired.end)
+        self.retire_take_s += t1 - t0
+        self.retire_report_s += time.perf_counter() - t1
+        self.retire_calls += 1
 
     def _nbytes(self, rows: int) -> int:
         """Bytes both ways over every layer of a step of `rows` rows."""
@@ -117,11 +127,13 @@ class GpuAttentionExchange(_GpuSide):
         self.watchdog.start(setup=lambda: torch.cuda.set_device(device))
         self.exchanges = 0
         self.settle_s = 0.0  # the host's waits for verdicts
+        self.settle_cpu_s = 0.0  # ... of which its thread's CPU time (the rest: waiting)
         self.settles = 0  # ... of this many steps
         self._step: Step | None = None
         self._opened_at = 0.0
         self._published_at = 0.0
         self._start: CudaEvent | None = None
+        self._checked: set[Counts] = set()  # step counts checked in this view
 
     def stats(self) -> dict[str, float]:
         n = max(1, self.exchanges)
@@ -132,6 +144,9 @@ class GpuAttentionExchange(_GpuSide):
             "wait_us_per_layer": 1e6 * self.settle_s / n,
             # A replayed FULL graph exchanges without the host: its wait is the verdict's.
             "settle_us_per_step": 1e6 * self.settle_s / max(1, self.settles),
+            "settle_cpu_us_per_step": 1e6 * self.settle_cpu_s / max(1, self.settles),
+            "retire_take_us_per_call": 1e6 * self.retire_take_s / max(1, self.retire_calls),
+            "retire_report_us_per_call": 1e6 * self.retire_report_s / max(1, self.retire_calls),
             "steps_in_flight": self.watchdog.in_flight,
             **self._gpu_stats(),
             **self._watch_stats(),
@@ -144,9 +159,16 @@ class GpuAttentionExchange(_GpuSide):
             "watchdog_us_per_step": round(1e6 * self.watchdog.thread_s / steps, 1),
         }
 
+    def connected(self) -> None:
+        self._checked.clear()  # the new view's sizes
+
     def begin_step(self, step: Step) -> None:
         self.plane.check_step(step)
-        validate_counts(self.plane.config, step.counts)
+        if step.counts not in self._checked:  # decode steps repeat a few shapes
+            validate_counts(self.plane.config, step.counts)
+            if len(self._checked) >= MAX_PLANS:
+                self._checked.clear()
+            self._checked.add(step.counts)
         if self.watchdog.fatal is not None:
             raise RuntimeError(self.watchdog.fatal)
         self.bound_s = self.plane.bound_s(step)
@@ -159,7 +181,8 @@ class GpuAttentionExchange(_GpuSide):
         """The payload is out: the steps retired since the last one are reported now, off
         the control hop's path (they used to delay the publish)."""
         self._published_at = time.monotonic()
-        self._report_retired()
+        # Those the verdicts retired: every step's verdict is asked within a step or two.
+        self._report_retired(look=False)
 
     def post(
         self, layer: int, stage: int, hidden: torch.Tensor, router: torch.Tensor | None
@@ -178,8 +201,10 @@ class GpuAttentionExchange(_GpuSide):
     def end_step(self) -> None:
         """Closes the step without waiting: its end event goes to the watchdog."""
         step, self._step = self._step, None
-        if step is None or self._start is None or torch.cuda.is_current_stream_capturing():
+        if step is None or self._start is None:
             return  # a recorded FULL graph runs nothing now
+        if step.flags.is_graph_capturing and torch.cuda.is_current_stream_capturing():
+            return  # (a driver call: only where a capture may be recording)
         now = time.monotonic()
         rows = sum(max(1, row[self.plane.rank]) for row in step.counts)
         self.watchdog.enqueue(
@@ -209,11 +234,12 @@ class GpuAttentionExchange(_GpuSide):
             asked = time.monotonic()
             for step_id in step_ids:
                 self.timeline.tokens(step_id, asked)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self.watchdog.verdict(step_ids, self.bound_s)
         finally:
             self.settle_s += time.perf_counter() - t0
+            self.settle_cpu_s += time.thread_time() - cpu0
             self.settles += len(step_ids)
 
 

@@ -161,10 +161,13 @@ class StepWatchdog:
                     return f"step {step_id} has no verdict after {wait_s:.0f} s (vllm_ext bug)"
                 self._cond.wait(min(POLL_S, max(0.0, deadline - self._clock())))
 
-    def take_retired(self) -> list[Retired]:
-        """Steps that ran to their end since the last call (for the step timings)."""
+    def take_retired(self, look: bool = True) -> list[Retired]:
+        """Steps that ran to their end since the last call (for the step timings); `look`:
+        query the oldest step in flight first (a driver call), else only those a verdict or a
+        round has retired."""
         with self._cond:
-            self._retire_done()
+            if look:
+                self._retire_done()
             out = list(self._retired)
             self._retired.clear()
         return out

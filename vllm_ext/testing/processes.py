@@ -55,8 +55,10 @@ class Proc:
         env: dict[str, str] | None = None,
         *,
         stdin_pipe: bool = False,
+        cwd: Path | None = None,
     ) -> None:
-        """`stdin_pipe`: the caller writes to the child's stdin (`send`)."""
+        """`stdin_pipe`: the caller writes to the child's stdin (`send`); `cwd`: where it runs
+        (default: here)."""
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
@@ -68,6 +70,7 @@ class Proc:
             env=child_env(env),
             start_new_session=True,
             text=stdin_pipe,
+            cwd=cwd,
         )
         _LIVE.add(self)
 
@@ -141,9 +144,10 @@ class Daemon(Proc):
         listen: str = "127.0.0.1:0",
         env: dict[str, str] | None = None,
         timeout: float = 20.0,
+        cwd: Path | None = None,
     ) -> None:
         argv = [sys.executable, "-m", "afd_ctl.cli", "serve", "--listen", listen, *args]
-        super().__init__(argv, log_path, env)
+        super().__init__(argv, log_path, env, cwd=cwd)
         self.address = self.wait_for(LISTEN_RE.pattern, timeout).group(1)
 
 
