@@ -674,3 +674,20 @@ def test_thread_clock_names_each_threads_cpu_per_step() -> None:
     assert all(key.startswith("runner:") for key in per)
     median = thread_clock.median_per_step([per, {}, per])
     assert median["runner:afd-test-busy"] == per["runner:afd-test-busy"]
+
+
+def test_host_call_cost_names_each_calls_cost_on_this_host() -> None:
+    """benchmarks/host_call_cost.py: one JSON line, every row a positive median (CPU rows here;
+    the CUDA rows need a GPU)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "benchmarks/host_call_cost.py", "--calls", "200", "--mps", "off"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "host_call_cost" and result["mps"] is False
+    rows = {**result["python"], "thread_hand_over": result["thread_hand_over"]}
+    assert {"step_to_payload", "datagram_send_and_receive", "thread_hand_over"} <= set(rows)
+    assert all(0 < row["median_us"] <= row["p90_us"] for row in rows.values())
