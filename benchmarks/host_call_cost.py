@@ -4,8 +4,9 @@ AFD's step machine measured 290 µs per step on the H200 host (afd_host_us_*), s
 what its Python costs on the 2-core CI machine. This says, per call, where a host spends it:
 the CUDA driver calls each step makes (timing events: record, query, elapsed; the capture
 query), torch's current-stream read, a small kernel launch, the step's payload built and sent
-as a datagram, pure Python of the same shape, and how long a sleeping thread takes to run
-once another sets its event (a hand-over of the interpreter lock). Run it with MPS on and off
+as a datagram (also its send alone to a thread asleep in recv, as the FFN host is), pure Python
+of the same shape, and how long a sleeping thread takes to run once another sets its event (a
+hand-over of the interpreter lock). Run it with MPS on and off
 (tests/gpu/with_mps.sh): a driver call through the MPS client may cost more.
 
     python benchmarks/host_call_cost.py [--calls 2000]        (CPU: the CUDA rows are left out)
@@ -136,6 +137,46 @@ def hand_over(rounds: int) -> dict[str, float]:
     }
 
 
+def send_to_sleeper(rounds: int) -> dict[str, float]:
+    """A datagram's send alone (what the sender's thread pays) when the receiver is a thread
+    asleep in recv, as the FFN host waits for its next payload: the send wakes it."""
+    a = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    b = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    b.bind(f"\0afd-host-call-cost-sleeper-{id(b)}")
+    b.settimeout(5.0)
+    address = b.getsockname()
+    got = threading.Event()
+
+    def receiver() -> None:
+        while True:
+            data = b.recv(4096)
+            got.set()
+            if data == b"stop":
+                return
+
+    thread = threading.Thread(target=receiver, daemon=True)
+    thread.start()
+    samples = []
+    try:
+        for _ in range(rounds):
+            time.sleep(0.0005)  # the receiver is back asleep in recv
+            t0 = time.perf_counter()
+            a.sendto(b"x" * 64, address)
+            samples.append(time.perf_counter() - t0)
+            got.wait(1.0)
+            got.clear()
+        a.sendto(b"stop", address)
+        thread.join(1.0)
+    finally:
+        a.close()
+        b.close()
+    samples.sort()
+    return {
+        "median_us": round(1e6 * statistics.median(samples), 2),
+        "p90_us": round(1e6 * samples[int(0.9 * len(samples))], 2),
+    }
+
+
 def cuda_rows(calls: int) -> dict[str, dict[str, float]]:
     """The driver and torch calls a GPU-driven step makes on the attention host."""
     import torch
@@ -174,6 +215,7 @@ def main() -> None:
         result["mps"] = args.mps == "on"
     result["python"] = python_rows(args.calls)
     result["thread_hand_over"] = hand_over(min(args.calls, 500))
+    result["datagram_send_to_a_sleeping_thread"] = send_to_sleeper(min(args.calls, 500))
     try:
         import torch
 
