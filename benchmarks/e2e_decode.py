@@ -646,8 +646,9 @@ def main() -> None:
         "against after",
     )  # fmt: skip
     il.add_argument(
-        "--host-profile-batch", type=int, default=0,
-        help="after the timed repeats, one more repeat at this batch per part under py-spy "
+        "--host-profile-batch", default="",
+        help="after the timed repeats, one more repeat at this batch (or each of B,B,...) per "
+        "part under py-spy "
         "(benchmarks/host_profile.py; raw stacks kept under --log-dir)",
     )  # fmt: skip
     il.add_argument(

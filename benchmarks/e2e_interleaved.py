@@ -231,9 +231,11 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             part.ready(args.start_timeout)
         tpot = interleave(lockstep, batches, args.repeats, args.run_timeout, more_of(args))
         profiles = {
-            part.name: profile_repeat(args, part, ffn_procs.get(part.name), depth, tmp)
+            f"{part.name}_host_profile{'' if i == 0 else f'_batch_{b}'}": profile_repeat(
+                args, part, ffn_procs.get(part.name), depth, tmp, b
+            )
+            for i, b in enumerate(profile_batches(args))
             for part in lockstep
-            if args.host_profile_batch
         }
         reports = {part.name: part.finish(args.run_timeout) for part in lockstep}
         summaries = {
@@ -247,8 +249,14 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             proc.stop()
 
 
+def profile_batches(args: argparse.Namespace) -> list[int]:
+    """--host-profile-batch: the batch sizes to profile (the first one's profiles are reported
+    as PART_host_profile, the others' as PART_host_profile_batch_B)."""
+    return [int(b) for b in str(args.host_profile_batch or "").split(",") if b.strip()]
+
+
 def profile_repeat(
-    args: argparse.Namespace, part: Lockstep, ffn: Proc | None, depth: int, tmp: Path
+    args: argparse.Namespace, part: Lockstep, ffn: Proc | None, depth: int, tmp: Path, batch: int
 ) -> dict[str, Any]:
     """One untimed repeat of `part` at --host-profile-batch with py-spy on its process tree
     (and its FFN server's): the summaries, raw stacks kept under --log-dir (else dropped)."""
@@ -259,7 +267,7 @@ def profile_repeat(
         side: host_profile.Recording(
             args.py_spy,
             proc.pid,
-            into / f"{part.name}-{depth}{'-' + side if side else ''}.txt",
+            into / f"{part.name}-{depth}-{batch}{'-' + side if side else ''}.txt",
             rate=args.py_spy_rate,
             native=args.py_spy_native,
             idle=args.py_spy_idle,
@@ -267,9 +275,9 @@ def profile_repeat(
         for side, proc in targets.items()
     }
     started = time.monotonic()
-    part.run(args.host_profile_batch, args.repeats, args.run_timeout)
+    part.run(batch, args.repeats, args.run_timeout)
     wall_s = time.monotonic() - started
-    out: dict[str, Any] = {"batch": args.host_profile_batch}
+    out: dict[str, Any] = {"batch": batch}
     for side, recording in recordings.items():
         out[side or "engine"] = recording.stop(wall_s)
     return out
@@ -330,8 +338,9 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
             if p.startswith("afd"):
                 rows[f"{p}_exchange"] = run["reports"][p].get("afd_exchange", {})
                 rows[f"{p}_timeline"] = run.get("timelines", {}).get(p, {})
-            if run.get("profiles", {}).get(p):
-                rows[f"{p}_host_profile"] = run["profiles"][p]
+            for key, profile in run.get("profiles", {}).items():
+                if key.startswith(f"{p}_host_profile"):
+                    rows[key] = profile
             if run["reports"][p].get("retried_repeats"):
                 rows[f"{p}_retried_repeats"] = run["reports"][p]["retried_repeats"]
         result[f"layers_{depth}"] = rows
