@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from afd_ctl import direct
 from afd_ctl.fingerprint import ModelFingerprint
 from afd_ctl.routing import Role
+from afd_ctl.step import Step
 from vllm_ext.control import ExpectedCounts, expected_counts
 from vllm_ext.exchange.base import AttentionExchange, FfnExchange
 from vllm_ext.exchange.timing import ExchangeTimings
@@ -150,6 +153,18 @@ class PeerLink(Generic[E]):
         them directly, that copy is off the step's path (afd publish_coalesce_s)."""
         sender, gpu_driven = self.sender, self.exchanges.gpu_driven
         return self._coalesce_s if sender and sender.covers_all and gpu_driven else 0.0
+
+    def publish(self, step: Step, mark: Callable[[str, float], float] | None = None) -> None:
+        """An attention sender's step: its payload stamped (a refusal or a lost set raises
+        here), sent straight to its FFN subscribers on this host, then queued for afd-ctl.
+        `mark(part, started)`: the caller's clock of its parts (the direct copies: "direct")."""
+        payload = step.to_payload()
+        self.client.stamp(payload)  # its epoch and sender rank
+        sending = time.perf_counter()
+        self.send_direct(payload)  # first: afd-ctl's publish thread takes the GIL
+        if mark is not None:
+            mark("direct", sending)
+        self.client.publish(payload, stamp=False)
 
     def send_direct(self, payload: afd_pb2.AFDControlPayload) -> None:
         """An attention sender: `payload` (published, so stamped) to its FFN subscribers on

@@ -213,12 +213,7 @@ class AttentionSession:
 
     def publish(self, step: Step) -> None:
         if self.is_sender and self._link is not None:
-            payload = step.to_payload()
-            self.client.stamp(payload)  # its epoch and sender rank
-            sending = self.steps.host_time.start()
-            self._link.send_direct(payload)  # first: afd-ctl's publish thread takes the GIL
-            self.steps.host_time.add("direct", sending)
-            self.client.publish(payload, stamp=False)
+            self._link.publish(step, self.steps.host_time.add)
             if self._fence is not None:
                 self._fence.published(step.step_id)
 

@@ -16,6 +16,7 @@ the next payload; `check`, between payloads, notices a step that failed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -45,15 +46,29 @@ RECENT_STEPS = 1000
 MAX_PLANS = 512
 
 
+@dataclasses.dataclass(frozen=True)
+class HostSide:
+    """What the host's side of a GPU-driven exchange calls: the CUDA driver (its timing
+    events), the current stream's handle, and the hop that enqueues each layer's operations."""
+
+    cuda: Any
+    stream: Callable[[], int]
+    hop: Any
+
+
 class _GpuSide:
     """What both roles' GPU-driven exchanges share: the plane, the watchdog, reports."""
 
     path = GPU
     has_verdicts = False  # the attention side's steps are settled where vLLM reads tokens
 
-    def __init__(self, plane: DataPlane, reporting: Reporting) -> None:
+    def __init__(
+        self, plane: DataPlane, reporting: Reporting, host: HostSide | None = None
+    ) -> None:
+        """`host`: the driver, stream reader and hop to use instead of the plane's and this
+        process's (benchmarks/attention_host_step.py runs the attention host's part on CPU)."""
         self.plane = plane
-        self.hop = plane.hop
+        self.hop = host.hop if host is not None else plane.hop
         self.device = plane.device
         self.reporting = reporting
         self.bound_s = plane.timeout_s
@@ -65,8 +80,12 @@ class _GpuSide:
         self._row_bytes += config.router_width * config.router_itemsize
         self._gpu_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self.timeline = Timeline(plane.role.label, plane.rank, verdicts=self.has_verdicts)
-        self.stream = current_stream_of(torch.device(plane.device))  # its handle, read cheaply
-        self.events = EventPool(driver(), self.stream)
+        if host is not None:
+            self.stream, cuda = host.stream, host.cuda
+        else:
+            self.stream = current_stream_of(torch.device(plane.device))  # a cheap handle read
+            cuda = driver()
+        self.events = EventPool(cuda, self.stream)
         # Reporting retired steps: taking them from the watchdog, then reporting them.
         self.retire_take_s = self.retire_report_s = 0.0
         self.retire_calls = 0
@@ -120,11 +139,16 @@ class GpuAttentionExchange(_GpuSide):
     full_graphs = True
     has_verdicts = True
 
-    def __init__(self, plane: DataPlane, reporting: Reporting) -> None:
-        super().__init__(plane, reporting)
+    def __init__(
+        self, plane: DataPlane, reporting: Reporting, host: HostSide | None = None
+    ) -> None:
+        super().__init__(plane, reporting, host)
         device = torch.device(plane.device)
         # Its driver calls (the poison) need the worker's CUDA device current on its thread.
-        self.watchdog.start(setup=lambda: torch.cuda.set_device(device))
+        if device.type == "cuda":
+            self.watchdog.start(setup=lambda: torch.cuda.set_device(device))
+        else:
+            self.watchdog.start()
         self.exchanges = 0
         self.settle_s = 0.0  # the host's waits for verdicts
         self.settle_cpu_s = 0.0  # ... of which its thread's CPU time (the rest: waiting)
