@@ -16,11 +16,10 @@ at once; `/health` answers 503 meanwhile (vllm_ext.attention.health).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from afd_ctl.errors import AfdError
 from afd_data.errors import AfdBadInput, AfdDataError
@@ -162,27 +161,44 @@ def skip_failed_dummy_batch(execute_dummy_batch: Any) -> Any:
     return wrapped
 
 
-@contextlib.contextmanager
-def failing_step(
-    step_id: int,
-    layer: int | None = None,
-    *,
-    recoverable: bool = True,
-    on_failure: Callable[[BaseException], None] | None = None,
-) -> Iterator[None]:
+class failing_step:  # noqa: N801 (used as a function: `with failing_step(...)`)
     """AFD errors of a step become AfdStepFailed, which fails the step's requests only.
 
     Not `recoverable` under attention TP > 1: each TP rank would decide alone, one could leave
-    the forward while the others wait in its all-reduce, so the error ends the engine."""
-    try:
-        yield
-    except AfdBadInput as exc:  # a setting or an extension bug: every step would fail alike
-        raise RuntimeError(f"afd: step {step_id}: {exc}") from exc
-    except (AfdError, AfdDataError) as exc:
-        if on_failure is not None:
-            on_failure(exc)
-        where = f"step {step_id}" + (f", layer {layer}" if layer is not None else "")
-        if not recoverable:
+    the forward while the others wait in its all-reduce, so the error ends the engine.
+
+    A class, not a generator: the runner enters three per step (open, close, verdict), and a
+    generator-based context manager costs several times as much on its thread."""
+
+    __slots__ = ("step_id", "layer", "recoverable", "on_failure")
+
+    def __init__(
+        self,
+        step_id: int,
+        layer: int | None = None,
+        *,
+        recoverable: bool = True,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.step_id, self.layer = step_id, layer
+        self.recoverable, self.on_failure = recoverable, on_failure
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> Literal[False]:
+        if exc is None:
+            return False
+        if isinstance(exc, AfdBadInput):  # a setting or an extension bug: every step alike
+            raise RuntimeError(f"afd: step {self.step_id}: {exc}") from exc
+        if not isinstance(exc, (AfdError, AfdDataError)):
+            return False
+        if self.on_failure is not None:
+            self.on_failure(exc)
+        where = f"step {self.step_id}" + (f", layer {self.layer}" if self.layer is not None else "")
+        if not self.recoverable:
             raise RuntimeError(
                 f"afd: {where}: {exc} (attention TP > 1: its TP ranks cannot fail a step "
                 "together yet, so this ends the server)"

@@ -307,10 +307,11 @@ class StepWatchdog:
         def loop() -> None:
             setup()
             while not self._stop.is_set():
-                with self._cond:
-                    if not self._inflight:
-                        self._cond.wait(IDLE_S)
-                        continue
+                if not self._inflight:
+                    # Not on the condition: every retired step notifies it (for a verdict that
+                    # waits), and the runner retires a step at every verdict.
+                    self._stop.wait(IDLE_S)
+                    continue
                 started = time.perf_counter()
                 self.poll()
                 self.thread_s += time.perf_counter() - started
