@@ -4,7 +4,7 @@ AFD's step machine measured 290 µs per step on the H200 host (afd_host_us_*), s
 what its Python costs on the 2-core CI machine. This says, per call, where a host spends it:
 the CUDA driver calls each step makes (timing events: record, query, elapsed; the capture
 query), torch's current-stream read, a small kernel launch, the step's payload built and sent
-as a datagram (also its send alone to a thread asleep in recv, as the FFN host is), pure Python
+as a datagram (also its send alone to another process asleep in recv, as the FFN host is), pure Python
 of the same shape, and how long a sleeping thread takes to run once another sets its event (a
 hand-over of the interpreter lock). Run it with MPS on and off
 (tests/gpu/with_mps.sh): a driver call through the MPS client may cost more.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -137,39 +138,48 @@ def hand_over(rounds: int) -> dict[str, float]:
     }
 
 
+def _receive_until_stop(name: str) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(name)
+    sock.settimeout(30.0)
+    try:
+        while sock.recv(4096) != b"stop":
+            pass
+    finally:
+        sock.close()
+
+
 def send_to_sleeper(rounds: int) -> dict[str, float]:
-    """A datagram's send alone (what the sender's thread pays) when the receiver is a thread
-    asleep in recv, as the FFN host waits for its next payload: the send wakes it."""
+    """A datagram's send alone (what the sender's thread pays) when the receiver is another
+    process asleep in recv, as the FFN host waits for its next payload: the send wakes it."""
+    import multiprocessing
+
+    name = f"\0afd-host-call-cost-sleeper-{os.getpid()}"
+    receiver = multiprocessing.get_context("fork").Process(
+        target=_receive_until_stop, args=(name,), daemon=True
+    )
+    receiver.start()
     a = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    b = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    b.bind(f"\0afd-host-call-cost-sleeper-{id(b)}")
-    b.settimeout(5.0)
-    address = b.getsockname()
-    got = threading.Event()
-
-    def receiver() -> None:
-        while True:
-            data = b.recv(4096)
-            got.set()
-            if data == b"stop":
-                return
-
-    thread = threading.Thread(target=receiver, daemon=True)
-    thread.start()
     samples = []
     try:
+        deadline = time.monotonic() + 10.0
+        while True:  # until the receiver is bound
+            try:
+                a.sendto(b"x", name)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         for _ in range(rounds):
             time.sleep(0.0005)  # the receiver is back asleep in recv
             t0 = time.perf_counter()
-            a.sendto(b"x" * 64, address)
+            a.sendto(b"x" * 64, name)
             samples.append(time.perf_counter() - t0)
-            got.wait(1.0)
-            got.clear()
-        a.sendto(b"stop", address)
-        thread.join(1.0)
+        a.sendto(b"stop", name)
     finally:
         a.close()
-        b.close()
+        receiver.join(5.0)
     samples.sort()
     return {
         "median_us": round(1e6 * statistics.median(samples), 2),
@@ -215,7 +225,7 @@ def main() -> None:
         result["mps"] = args.mps == "on"
     result["python"] = python_rows(args.calls)
     result["thread_hand_over"] = hand_over(min(args.calls, 500))
-    result["datagram_send_to_a_sleeping_thread"] = send_to_sleeper(min(args.calls, 500))
+    result["datagram_send_to_a_sleeping_process"] = send_to_sleeper(min(args.calls, 500))
     try:
         import torch
 

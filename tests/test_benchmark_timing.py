@@ -689,6 +689,6 @@ def test_host_call_cost_names_each_calls_cost_on_this_host() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "host_call_cost" and result["mps"] is False
     rows = {**result["python"], "thread_hand_over": result["thread_hand_over"],
-            "to_sleeper": result["datagram_send_to_a_sleeping_thread"]}  # fmt: skip
+            "to_sleeper": result["datagram_send_to_a_sleeping_process"]}  # fmt: skip
     assert {"step_to_payload", "datagram_send_and_receive", "thread_hand_over"} <= set(rows)
     assert all(0 < row["median_us"] <= row["p90_us"] for row in rows.values())
