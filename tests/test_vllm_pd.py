@@ -105,10 +105,13 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdServers]:
             vllm_env(),
         )
         started.append(ffn)
+        # Both KV-connector servers run their worker in the engine core's process (vLLM's uni
+        # executor, GPU vLLM's default at TP=1; the CPU build otherwise starts a worker
+        # process): a process fewer each, which is not what these tests are about.
         prefill = Proc(
             serve_argv(model, prefill_port, "--kv-transfer-config", kv_config("kv_producer")),
             root / "prefill.log",
-            vllm_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
+            vllm_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, in_process=True),
         )
         started.append(prefill)
         attention = Proc(
@@ -117,7 +120,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdServers]:
                 daemon.address, "--kv-transfer-config", kv_config("kv_consumer"),
             ),
             root / "attention.log",
-            vllm_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
+            vllm_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, in_process=True),
         )  # fmt: skip
         started.append(attention)
         prefill_url = f"http://127.0.0.1:{prefill_port}"
