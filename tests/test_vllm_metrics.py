@@ -1,5 +1,7 @@
-"""Prometheus series of a real run: the attention server's /metrics (vLLM's own, written by its
-worker process), the FFN server's /metrics (its `metrics_port`) and afd-ctl's, scraped while
+"""Prometheus series of a real run: the attention server's /metrics (vLLM's own, and AFD's,
+written by the process its worker runs in: here the engine core's, vLLM's uni executor as on
+GPU at TP=1, a process fewer on 2 cores; the API server reads them from files either way), the
+FFN server's /metrics (its `metrics_port`) and afd-ctl's, scraped while
 serving and after an afd-ctl restart, with real values; every series the Grafana dashboard
 (deploy/grafana/afd.json) queries is on one of those pages; the FFN server's /health is 503
 while afd-ctl is down (issue 39, item 5) and 200 again once it is back. And, on the same pair,
@@ -33,6 +35,7 @@ from tests.test_vllm_daemon_restart import (  # noqa: E402
     serving_again,
 )
 from tests.test_vllm_failures import (  # noqa: E402
+    UNI_EXECUTOR,
     start_afd_servers,
     tiny_model,  # noqa: F401 (fixture)
     wait_status,
@@ -147,7 +150,7 @@ def test_attention_and_ffn_metrics(
         procs,
         tmp_path,
         ffn_env={"AFD_METRICS_PORT": str(ffn_port)},
-        attention_env={"AFD_PROMETHEUS_DIR": str(parents)},
+        attention_env={"AFD_PROMETHEUS_DIR": str(parents), **UNI_EXECUTOR},
     )
     post_json(servers.url, servers.body)
     attention_url = servers.url.replace("/v1/completions", "/metrics")
