@@ -99,8 +99,8 @@ def wait_status(url: str, want: int, timeout_s: float) -> float:
 # The attention server's worker in its engine core's process (vLLM's uni executor: CPU vLLM
 # runs it only with VLLM_ENABLE_V1_MULTIPROCESSING=0, GPU vLLM by default at TP=1): a process
 # fewer, about 6 s of the 2 cores per start, for the tests whose point is not the worker's
-# process (the FFN-kill test here, the `vllm serve` tests and the others keep vLLM's CPU
-# default, a worker process).
+# process (the data-plane-only losses here, the restart, metrics, security and elastic tests;
+# the FFN-kill test here and the `vllm serve` tests keep vLLM's CPU default, a worker process).
 UNI_EXECUTOR = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
