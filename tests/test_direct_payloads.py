@@ -124,12 +124,16 @@ def test_the_sender_knows_when_every_subscriber_is_reached_directly():
         ffn_sock.close()
 
 
-@pytest.mark.parametrize("window_s", [0.0, direct.RELAY_COALESCE_S])
-def test_payloads_through_a_real_daemon_come_directly_and_once(start_daemon, window_s: float):
+@pytest.mark.parametrize(("window_s", "poll_s"), [(0.0, 0.0), (direct.RELAY_COALESCE_S, 0.0),
+                                                  (direct.RELAY_COALESCE_S, 0.05)])  # fmt: skip
+def test_payloads_through_a_real_daemon_come_directly_and_once(
+    start_daemon, window_s: float, poll_s: float
+):
     """A real afd-ctl relays every payload; the FFN side also gets each one straight from the
     sender and runs each step once, in order, most of them from the direct path; stop comes
     from the relay. With a coalescing window (every subscriber reached directly) the sender's
-    copies to afd-ctl go several to a message, and still every one arrives, in order."""
+    copies to afd-ctl go several to a message, and still every one arrives, in order; with the
+    FFN side polling (afd ffn_poll_s) the same, its looks counted."""
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     attention_sock, ffn_sock = direct.StepSocket(), direct.StepSocket()
     ffn = ControllerClient(daemon.address, WorkerSpec("ffn-0", FFN, step_socket=ffn_sock.name))
@@ -148,7 +152,7 @@ def test_payloads_through_a_real_daemon_come_directly_and_once(start_daemon, win
         attention.publisher.window = lambda: window_s
         inbox = direct.DirectInbox(ffn_sock)
         inbox.allow(direct.peer_sockets(view_f))
-        payloads = Payloads(ffn, inbox)
+        payloads = Payloads(ffn, inbox, poll_s=poll_s)
         steps = 300
         ran = []
         for step in range(1, steps + 1):
@@ -165,6 +169,7 @@ def test_payloads_through_a_real_daemon_come_directly_and_once(start_daemon, win
         assert stats["payloads_direct"] + stats["payloads_relayed"] == steps
         assert stats["payloads_direct"] > steps // 2, stats
         assert stats["payloads_direct_refused"] == 0
+        assert ("payload_polls" in stats) == bool(poll_s)
         per_message = attention.publisher.sent.stats()["publish_payloads_per_message"]
         assert per_message > (2 if window_s else 0), per_message  # several steps per message
     finally:
@@ -207,3 +212,7 @@ def test_the_coalescing_window_is_a_setting():
     assert ControlAccess.of(off).publish_coalesce_s == 0.0
     with pytest.raises(ValueError, match=r"publish_coalesce_s must be in 0..1 s, got 5"):
         AfdConfig.resolve({**section, "publish_coalesce_s": 5}, {})
+    assert AfdConfig.resolve(section, {}).ffn_poll_s == 0.0
+    assert AfdConfig.resolve(section, {"AFD_FFN_POLL_S": "0.05"}).ffn_poll_s == 0.05
+    with pytest.raises(ValueError, match=r"ffn_poll_s must be in 0..1 s, got 2"):
+        AfdConfig.resolve({**section, "ffn_poll_s": 2}, {})

@@ -108,6 +108,11 @@ class AfdConfig:
     # sender's copies to afd-ctl may wait this long for the next ones, to go several to a
     # message (afd_ctl.publisher): status and taps see payloads that much later. 0: never wait.
     publish_coalesce_s: float = RELAY_COALESCE_S
+    # FFN role, direct payloads: after each step, look for the next payload without sleeping
+    # for this long (a core busy meanwhile). A sender's datagram to a sleeping FFN host wakes
+    # it, a cost on the attention host's step (benchmarks/host_call_cost.py); to a polling one
+    # it is a plain send. 0: sleep at once.
+    ffn_poll_s: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -150,6 +155,8 @@ class AfdConfig:
             raise ValueError(
                 f"afd publish_coalesce_s must be in 0..1 s, got {self.publish_coalesce_s}"
             )
+        if not 0 <= self.ffn_poll_s <= 1:
+            raise ValueError(f"afd ffn_poll_s must be in 0..1 s, got {self.ffn_poll_s}")
         if isinstance(self.direct_payloads, bool):  # JSON true / false
             object.__setattr__(self, "direct_payloads", "on" if self.direct_payloads else "off")
         if self.direct_payloads not in DIRECT_PAYLOADS:

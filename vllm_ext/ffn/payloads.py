@@ -19,9 +19,15 @@ from afd_ctl.errors import AfdTimeout
 
 
 class Payloads:
-    def __init__(self, client: ControllerClient, inbox: DirectInbox | None) -> None:
+    def __init__(
+        self, client: ControllerClient, inbox: DirectInbox | None, poll_s: float = 0.0
+    ) -> None:
+        """`poll_s`: after a payload, look for the next direct one this long without sleeping
+        (afd ffn_poll_s)."""
         self.client = client
         self.inbox = inbox
+        self.poll_s = poll_s
+        self.polls = 0  # looks without sleeping
         self.direct = 0  # steps taken from the direct path
         self.relayed = 0  # ... and from afd-ctl's relay
         self.skipped = 0  # relayed copies of steps that ran from the direct path
@@ -67,6 +73,10 @@ class Payloads:
                     raise AfdTimeout(
                         f"no payload within {timeout_s:.3f} s, from afd-ctl or directly"
                     ) from None
+            if self.poll_s and time.monotonic() - self.taken_at < self.poll_s:
+                self.polls += 1
+                inbox.wait(0.0)  # a look: the sender's send then wakes nobody
+                continue
             inbox.wait(remaining)
 
     def _checked(self, payload: Any) -> Any:
@@ -84,4 +94,6 @@ class Payloads:
         }
         if self.inbox is not None:
             stats["payloads_direct_refused"] = self.inbox.refused
+        if self.poll_s:
+            stats["payload_polls"] = self.polls
         return stats

@@ -138,7 +138,7 @@ class FfnWorker:
             access, spec, self._exchanges, f"ffn rank {afd.ffn_rank}", self.vllm_config
         )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
-        self._payloads = Payloads(self._client, self._link.inbox)
+        self._payloads = Payloads(self._client, self._link.inbox, poll_s=afd.ffn_poll_s)
         # /health follows afd-ctl too: 503 while it is unreachable or the set is incomplete,
         # whichever the loop happens to see first (an outage, a lost peer).
         self._metrics.follow(self._client.serving)
