@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from afd_ctl.errors import AfdTimeout  # noqa: E402
 from afd_ctl.routing import Role  # noqa: E402
 from afd_ctl.step import StepFlags  # noqa: E402
 from afd_data.gpu_protocol import GPU, PathChoice  # noqa: E402
@@ -135,10 +136,11 @@ def planes() -> tuple[DataPlane, DataPlane]:
     )
 
 
-def ffn_worker(address: str, ready: Any, stop: Any) -> None:
+def ffn_worker(address: str, ready: Any, stop: Any, poll_s: float) -> None:
     """The FFN worker, in its own process as on a GPU host: registers (its NIXL plane on host
     memory, its step socket), then takes every payload that comes, direct and relayed."""
     from afd_ctl.client import WorkerSpec
+    from vllm_ext.ffn.payloads import Payloads
 
     access = ControlAccess(address, direct_payloads="on")
     plane = planes()[1]
@@ -149,12 +151,13 @@ def ffn_worker(address: str, ready: Any, stop: Any) -> None:
         link.register(timeout_s=20.0)
         link.connect(link.client.wait_complete(timeout_s=20.0))
         ready.set()
+        payloads = Payloads(link.client, link.inbox, poll_s=poll_s)  # as the FFN server takes them
+        epoch = link.client.view.epoch
         while not stop.is_set():
-            if link.inbox is not None:
-                link.inbox.wait(0.05)
             try:
-                while link.client.poll_payload() is not None:
-                    pass
+                payloads.next(0.05, epoch)
+            except AfdTimeout:
+                continue
             except Exception:  # the attention side left: the run is over
                 return
     finally:
@@ -173,7 +176,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     attn = PeerLink(access, WorkerSpec("attn-0", Role.ATTENTION), attn_x, "attention rank 0")
     spawn = multiprocessing.get_context("spawn")
     ready, stop = spawn.Event(), spawn.Event()
-    ffn = spawn.Process(target=ffn_worker, args=(daemon.address, ready, stop), daemon=True)
+    ffn = spawn.Process(
+        target=ffn_worker, args=(daemon.address, ready, stop, args.ffn_poll_s), daemon=True
+    )
     ffn.start()
     exchange: GpuAttentionExchange | None = None
     try:
@@ -218,6 +223,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "block": args.block,
             "vllm_busy_us": args.busy_us,
             "vllm_wait_us": args.wait_us,
+            "ffn_poll_s": args.ffn_poll_s,
             "afd_us_per_step": round(1e6 * statistics.median(blocks), 2),
             "afd_us_per_step_blocks": [round(1e6 * b, 2) for b in blocks],
             **steps.host_time.stats(),
@@ -278,6 +284,8 @@ def main() -> None:
     parser.add_argument("--wait-us", type=float, default=1000.0,
                         help="vLLM's wait for the GPU per step (the interpreter lock free)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, help="cProfile: the top N functions")
+    parser.add_argument("--ffn-poll-s", type=float, default=0.0,
+                        help="the FFN worker's afd ffn_poll_s (0: it sleeps between steps)")  # fmt: skip
     args = parser.parse_args()
     import tempfile
 
