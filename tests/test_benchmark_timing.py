@@ -692,3 +692,24 @@ def test_host_call_cost_names_each_calls_cost_on_this_host() -> None:
             "to_sleeper": result["datagram_send_to_a_sleeping_process"]}  # fmt: skip
     assert {"step_to_payload", "datagram_send_and_receive", "thread_hand_over"} <= set(rows)
     assert all(0 < row["median_us"] <= row["p90_us"] for row in rows.values())
+
+
+def test_attention_host_step_runs_the_step_machine_against_a_real_daemon() -> None:
+    """benchmarks/attention_host_step.py: the GPU-driven path's host side on CPU, one JSON
+    line with AFD's time per step and its parts, every payload published (several a message
+    in the coalescing window)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "benchmarks/attention_host_step.py", "--steps", "300", "--block", "100",
+         "--busy-us", "200", "--wait-us", "200", "--profile", "5"],
+        capture_output=True, text=True, timeout=180, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "attention_host_step"
+    assert len(result["afd_us_per_step_blocks"]) == 2  # the first block warms up
+    assert result["afd_us_per_step"] > 0
+    assert result["afd_host_us_per_step_median"] > 0 and result["settle_us_per_step"] > 0
+    assert result["publish_payloads_per_message"] > 1
+    assert len(result["top_own_us_per_step"]) == 5
