@@ -13,6 +13,8 @@ from afd_ctl.config import parse_setting
 from afd_ctl.direct import RELAY_COALESCE_S
 from afd_ctl.routing import Role
 
+FFN_POLL_S = 0.05  # afd ffn_poll_s's default
+
 ROLES = tuple(role.label for role in Role)  # as --afd-role spells them
 GATE_SIDES = ("ffn", "attention")
 DIRECT_PAYLOADS = ("auto", "on", "off")
@@ -108,11 +110,13 @@ class AfdConfig:
     # sender's copies to afd-ctl may wait this long for the next ones, to go several to a
     # message (afd_ctl.publisher): status and taps see payloads that much later. 0: never wait.
     publish_coalesce_s: float = RELAY_COALESCE_S
-    # FFN role, direct payloads: after each step, look for the next payload without sleeping
-    # for this long (a core busy meanwhile). A sender's datagram to a sleeping FFN host wakes
-    # it, a cost on the attention host's step (benchmarks/host_call_cost.py); to a polling one
-    # it is a plain send. 0: sleep at once.
-    ffn_poll_s: float = 0.0
+    # FFN role on the GPU-driven path: after each step, look for the next direct payload
+    # without sleeping for this long (one core busy meanwhile). A sender's datagram to a
+    # sleeping FFN host wakes it, the largest single cost of AFD's step on the attention host
+    # (benchmarks/attention_host_step.py); to a polling one it is a plain send. 0: sleep at
+    # once. The host-driven path never polls (a spinning FFN host there takes a core the
+    # attention side needs on a small CPU machine).
+    ffn_poll_s: float = FFN_POLL_S
 
     def __post_init__(self) -> None:
         try:

@@ -138,7 +138,7 @@ class FfnWorker:
             access, spec, self._exchanges, f"ffn rank {afd.ffn_rank}", self.vllm_config
         )
         self._client, self._loss_watch = self._link.client, self._link.loss_watch
-        self._payloads = Payloads(self._client, self._link.inbox, poll_s=afd.ffn_poll_s)
+        self._payloads = Payloads(self._client, self._link.inbox)
         # /health follows afd-ctl too: 503 while it is unreachable or the set is incomplete,
         # whichever the loop happens to see first (an outage, a lost peer).
         self._metrics.follow(self._client.serving)
@@ -322,6 +322,8 @@ class FfnWorker:
         serve_shard(self.engine.stack, view_shard(me, view))  # the experts of its new group
         self._link.connect(view)
         gpu = self._exchanges is not None and self._exchanges.gpu_driven
+        if self._payloads is not None:  # afd ffn_poll_s: the GPU-driven path's only
+            self._payloads.poll_s = self.afd.ffn_poll_s if gpu else 0.0
         self._metrics.connected(view.epoch, reconnect=self._connects > 0, gpu_driven=gpu)
         self._connects += 1
         self._said_unreachable = False
