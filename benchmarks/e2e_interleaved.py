@@ -20,9 +20,9 @@ payload reaches the FFN server through afd-ctl's relay only, as before afd_ctl.d
 with `AFD_PUBLISH_COALESCE_S=0` (the sender's copies to afd-ctl one message per step), so
 `--part afd_unbatched,afd` measures the coalescing window in one call; `afd_base` is the AFD
 pair run from another checkout (`--base-tree DIR`: its afd-ctl, plugin and runner), so
-`--part colocated,afd_base,afd` measures a change before and after in one call; `afd_sleep` is
-the AFD pair whose FFN host sleeps until each next payload (`AFD_FFN_POLL_S=0`) instead of
-polling for it for 50 ms after each step (the default on the GPU-driven path). Every later part is compared with every earlier one
+`--part colocated,afd_base,afd` measures a change before and after in one call; `afd_poll` is
+the AFD pair whose FFN host polls for the next direct payload for 50 ms after each step instead
+of sleeping (`AFD_FFN_POLL_S=0.05`). Every later part is compared with every earlier one
 (`ratio_tpot_afd_dbo_vs_afd`, `ratio_tpot_afd_dbo_vs_colocated`, ...). One H200 holds two
 V3-shaped engines of 3 layers, not three: there, `colocated,afd_dbo` and `afd,afd_dbo` are two
 calls.
@@ -77,19 +77,19 @@ def _runner(
 
 
 INTERLEAVED_PARTS = (
-    "colocated", "afd", "afd_relay", "afd_unbatched", "afd_dbo", "afd_base", "afd_sleep",
+    "colocated", "afd", "afd_relay", "afd_unbatched", "afd_dbo", "afd_base", "afd_poll",
 )  # fmt: skip
 AFD_PARTS = INTERLEAVED_PARTS[1:]
 # The afd_relay part: step payloads through afd-ctl's relay only (no direct copy on the host).
 RELAY_ONLY = {"AFD_DIRECT_PAYLOADS": "off"}
 # The afd_unbatched part: the sender's copies to afd-ctl never wait for the next payload (one
 # gRPC message per step, as before the coalescing window).
-# The afd_sleep part: the FFN host sleeps until each next payload (afd ffn_poll_s 0), where by
-# default it looks for the next direct payload without sleeping for 50 ms after each step.
+# The afd_poll part: the FFN host looks for the next direct payload without sleeping for 50 ms
+# after each step (afd ffn_poll_s), so the sender's datagram wakes nobody.
 PART_ENV = {
     "afd_relay": RELAY_ONLY,
     "afd_unbatched": {"AFD_PUBLISH_COALESCE_S": "0"},
-    "afd_sleep": {"AFD_FFN_POLL_S": "0"},
+    "afd_poll": {"AFD_FFN_POLL_S": "0.05"},
 }
 
 

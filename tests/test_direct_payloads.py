@@ -212,7 +212,7 @@ def test_the_coalescing_window_is_a_setting():
     assert ControlAccess.of(off).publish_coalesce_s == 0.0
     with pytest.raises(ValueError, match=r"publish_coalesce_s must be in 0..1 s, got 5"):
         AfdConfig.resolve({**section, "publish_coalesce_s": 5}, {})
-    assert AfdConfig.resolve(section, {}).ffn_poll_s == 0.05  # (the GPU-driven path's only)
-    assert AfdConfig.resolve(section, {"AFD_FFN_POLL_S": "0"}).ffn_poll_s == 0.0
+    assert AfdConfig.resolve(section, {}).ffn_poll_s == 0.0
+    assert AfdConfig.resolve(section, {"AFD_FFN_POLL_S": "0.05"}).ffn_poll_s == 0.05
     with pytest.raises(ValueError, match=r"ffn_poll_s must be in 0..1 s, got 2"):
         AfdConfig.resolve({**section, "ffn_poll_s": 2}, {})

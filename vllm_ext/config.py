@@ -13,7 +13,7 @@ from afd_ctl.config import parse_setting
 from afd_ctl.direct import RELAY_COALESCE_S
 from afd_ctl.routing import Role
 
-FFN_POLL_S = 0.05  # afd ffn_poll_s's default
+FFN_POLL_S = 0.0  # afd ffn_poll_s's default
 
 ROLES = tuple(role.label for role in Role)  # as --afd-role spells them
 GATE_SIDES = ("ffn", "attention")
@@ -111,11 +111,12 @@ class AfdConfig:
     # message (afd_ctl.publisher): status and taps see payloads that much later. 0: never wait.
     publish_coalesce_s: float = RELAY_COALESCE_S
     # FFN role on the GPU-driven path: after each step, look for the next direct payload
-    # without sleeping for this long (one core busy meanwhile). A sender's datagram to a
-    # sleeping FFN host wakes it, the largest single cost of AFD's step on the attention host
-    # (benchmarks/attention_host_step.py); to a polling one it is a plain send. 0: sleep at
-    # once. The host-driven path never polls (a spinning FFN host there takes a core the
-    # attention side needs on a small CPU machine).
+    # without sleeping for this long (one core busy meanwhile), so the sender's datagram wakes
+    # nobody. 0 (the default): sleep at once. On the 2-core CPU machine it cut AFD's time on
+    # the attention host by a third (benchmarks/attention_host_step.py), on a 16-core GPU host
+    # not at all (a wake-up costs 4.5 µs there): off until a GPU run shows a gain. The
+    # host-driven path never polls (a spinning FFN host there takes a core the attention side
+    # needs on a small CPU machine).
     ffn_poll_s: float = FFN_POLL_S
 
     def __post_init__(self) -> None:
