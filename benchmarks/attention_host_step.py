@@ -11,8 +11,9 @@ with the coalescing window) against a real afd-ctl with a real FFN worker regist
 NIXL data plane on host memory, its payloads drained). Each step is opened as vLLM's runner
 opens a replayed FULL-graph decode step, closed after its (empty) forward, and its verdict
 asked, as vLLM asks it where it reads the step's tokens; between steps, vLLM's own work is stood
-in for by `--busy-us` of Python and `--wait-us` of a wait that frees the interpreter lock (its
-wait for the GPU), so AFD's threads run where they would. The FFN worker runs in a process of
+in for by `--busy-us` of Python (walking `--working-set-mb` of objects, so AFD's code and data
+are cold at each step as they are inside vLLM) and `--wait-us` of a wait that frees the
+interpreter lock (its wait for the GPU), so AFD's threads run where they would. The FFN worker runs in a process of
 its own, as on a GPU host.
 
 What cannot run here is faked, and only that: the CUDA driver's timing events (recorded,
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         steps = AttentionSteps(bench, RankShape("attn-0", 0, 1, 2, HIDDEN, torch.bfloat16))
         bench.steps = steps
         flags = StepFlags(is_graph_replaying=True)
+        work = VllmWork(args.busy_us, args.wait_us, args.working_set_mb)
         profiler = cProfile.Profile() if args.profile else None
         blocks: list[float] = []
         done = 0
@@ -203,7 +205,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             timed = done >= args.block  # the first block warms up
             afd_s = 0.0
             for _ in range(n):
-                vllm_work(args.busy_us, args.wait_us)
+                work.run()
                 if profiler is not None and timed:
                     profiler.enable()
                 t0 = time.perf_counter()
@@ -224,6 +226,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "vllm_busy_us": args.busy_us,
             "vllm_wait_us": args.wait_us,
             "ffn_poll_s": args.ffn_poll_s,
+            "vllm_working_set_mb": args.working_set_mb,
             "afd_us_per_step": round(1e6 * statistics.median(blocks), 2),
             "afd_us_per_step_blocks": [round(1e6 * b, 2) for b in blocks],
             **steps.host_time.stats(),
@@ -246,15 +249,32 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         daemon.stop()
 
 
-def vllm_work(busy_us: float, wait_us: float) -> None:
-    """vLLM's own part of a step on the runner, stood in for: Python busy for `busy_us`, then
-    a wait of `wait_us` that lets go of the interpreter lock (as its wait for the GPU does)."""
-    if busy_us > 0:
-        until = time.perf_counter() + busy_us / 1e6
-        while time.perf_counter() < until:
-            pass
-    if wait_us > 0:
-        time.sleep(wait_us / 1e6)
+class VllmWork:
+    """vLLM's own part of a step on the runner, stood in for: Python busy for `busy_us`, then a
+    wait of `wait_us` that lets go of the interpreter lock (as its wait for the GPU does). With
+    `working_set_mb`, the busy part walks that many MB of Python objects, as vLLM's scheduler
+    and input preparation walk theirs, so AFD's code and data are cold again at each step; else
+    it spins (everything of AFD's stays in the caches)."""
+
+    def __init__(self, busy_us: float, wait_us: float, working_set_mb: float) -> None:
+        self.busy_s, self.wait_s = busy_us / 1e6, wait_us / 1e6
+        # ~100 bytes per small dict entry's object: a list of tuples holding ints and floats.
+        count = int(working_set_mb * (1 << 20) / 100)
+        self.objects = [(i, float(i), str(i)) for i in range(count)]
+        self._at = 0
+
+    def run(self) -> None:
+        if self.busy_s > 0:
+            until = time.perf_counter() + self.busy_s
+            objects, at, total = self.objects, self._at, 0
+            while time.perf_counter() < until:
+                if objects:
+                    for item in objects[at : at + 512]:
+                        total += item[0]
+                    at = (at + 512) % len(objects)
+            self._at = at
+        if self.wait_s > 0:
+            time.sleep(self.wait_s)
 
 
 def top_functions(profiler: cProfile.Profile, args: argparse.Namespace, steps: int) -> list:
@@ -284,6 +304,8 @@ def main() -> None:
     parser.add_argument("--wait-us", type=float, default=1000.0,
                         help="vLLM's wait for the GPU per step (the interpreter lock free)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, help="cProfile: the top N functions")
+    parser.add_argument("--working-set-mb", type=float, default=0.0,
+                        help="vLLM's busy part walks this many MB of objects (0: a spin)")  # fmt: skip
     parser.add_argument("--ffn-poll-s", type=float, default=0.0,
                         help="the FFN worker's afd ffn_poll_s (0: it sleeps between steps)")  # fmt: skip
     args = parser.parse_args()
