@@ -29,7 +29,7 @@ def _attention_builders() -> dict[str, Callable[..., AttentionExchange]]:
 
 
 def _ffn_builders() -> dict[str, Callable[..., FfnExchange]]:
-    from vllm_ext.exchange.gpu import GpuFfnExchange
+    from vllm_ext.exchange.gpu_ffn import GpuFfnExchange
     from vllm_ext.exchange.nixl import NixlFfnExchange
 
     return {NIXL: NixlFfnExchange, GPU: GpuFfnExchange}
