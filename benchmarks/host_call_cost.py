@@ -34,6 +34,15 @@ from afd_ctl.step import Step, StepFlags  # noqa: E402
 from afd_ctl.v1 import afd_pb2  # noqa: E402
 
 
+def summary(samples: list[float]) -> dict[str, float]:
+    """Median and p90 of `samples` (seconds), in µs."""
+    samples = sorted(samples)
+    return {
+        "median_us": round(1e6 * statistics.median(samples), 2),
+        "p90_us": round(1e6 * samples[int(0.9 * len(samples))], 2),
+    }
+
+
 def timed(call: Callable[[], object], calls: int) -> dict[str, float]:
     """Median and p90 of `calls` single calls, in µs (after 50 untimed)."""
     for _ in range(50):
@@ -44,11 +53,7 @@ def timed(call: Callable[[], object], calls: int) -> dict[str, float]:
         t0 = clock()
         call()
         samples.append(clock() - t0)
-    samples.sort()
-    return {
-        "median_us": round(1e6 * statistics.median(samples), 2),
-        "p90_us": round(1e6 * samples[int(0.9 * len(samples))], 2),
-    }
+    return summary(samples)
 
 
 def python_rows(calls: int) -> dict[str, dict[str, float]]:
@@ -131,11 +136,7 @@ def hand_over(rounds: int) -> dict[str, float]:
     stop = True
     go.set()
     thread.join(1.0)
-    samples.sort()
-    return {
-        "median_us": round(1e6 * statistics.median(samples), 2),
-        "p90_us": round(1e6 * samples[int(0.9 * len(samples))], 2),
-    }
+    return summary(samples)
 
 
 def _receive_until_stop(name: str) -> None:
@@ -180,11 +181,7 @@ def send_to_sleeper(rounds: int) -> dict[str, float]:
     finally:
         a.close()
         receiver.join(5.0)
-    samples.sort()
-    return {
-        "median_us": round(1e6 * statistics.median(samples), 2),
-        "p90_us": round(1e6 * samples[int(0.9 * len(samples))], 2),
-    }
+    return summary(samples)
 
 
 def cuda_rows(calls: int) -> dict[str, dict[str, float]]:
