@@ -127,14 +127,12 @@ class BenchLink:
         return None
 
 
-def planes() -> tuple[DataPlane, DataPlane]:
-    common: dict[str, Any] = dict(
-        rank=0, dtype=torch.bfloat16, router=(0, "bfloat16"), device="cpu", num_attention=1,
-        num_ffn=1, hidden_size=HIDDEN, max_tokens=ROWS, timeout_s=10.0,
+def plane(role: Role, name: str) -> DataPlane:
+    """One side's data plane on host memory (a NIXL agent of its own)."""
+    return DataPlane(
+        role, name=name, rank=0, dtype=torch.bfloat16, router=(0, "bfloat16"), device="cpu",
+        num_attention=1, num_ffn=1, hidden_size=HIDDEN, max_tokens=ROWS, timeout_s=10.0,
     )  # fmt: skip
-    return DataPlane(Role.ATTENTION, name="attn", **common), DataPlane(
-        Role.FFN, name="ffn", **common
-    )
 
 
 def ffn_worker(address: str, ready: Any, stop: Any, poll_s: float) -> None:
@@ -144,10 +142,8 @@ def ffn_worker(address: str, ready: Any, stop: Any, poll_s: float) -> None:
     from vllm_ext.ffn.payloads import Payloads
 
     access = ControlAccess(address, direct_payloads="on")
-    plane = planes()[1]
-    link = PeerLink(
-        access, WorkerSpec("ffn-0", Role.FFN), ffn_exchanges(plane, Doubler(2), False), "ffn rank 0"
-    )
+    ffn_x = ffn_exchanges(plane(Role.FFN, "ffn"), Doubler(2), False)
+    link = PeerLink(access, WorkerSpec("ffn-0", Role.FFN), ffn_x, "ffn rank 0")
     try:
         link.register(timeout_s=20.0)
         link.connect(link.client.wait_complete(timeout_s=20.0))
@@ -172,7 +168,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
     daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
     access = ControlAccess(daemon.address, direct_payloads="on", publish_coalesce_s=0.02)
-    attn_plane = planes()[0]
+    attn_plane = plane(Role.ATTENTION, "attn")
     attn_x = attention_exchanges(attn_plane)
     attn = PeerLink(access, WorkerSpec("attn-0", Role.ATTENTION), attn_x, "attention rank 0")
     spawn = multiprocessing.get_context("spawn")

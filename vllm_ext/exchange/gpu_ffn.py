@@ -130,7 +130,7 @@ class GpuFfnExchange(GpuSide):
 
     def check(self) -> None:
         failure = self.watchdog.poll()
-        self._report_retired()
+        self._report_retired(look=False)  # the round just retired what had ended
         if self.watchdog.fatal is not None:
             raise RuntimeError(self.watchdog.fatal)
         if failure is not None:
