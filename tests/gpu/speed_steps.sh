@@ -3,7 +3,7 @@
 # each under its own time bound, logs and JSON into $OUT. Run it inside tests/gpu/with_mps.sh
 # on one GPU (the attention and FFN processes then run concurrently).
 #
-#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop pairs failure dbo e2e e2e_il ep
+#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop host pairs failure dbo e2e e2e_il ep
 #
 # MODELS (default 2) and MODES (default default,full_decode_only) narrow the pairs and dbo
 # steps (dbo: dual-batch overlap at attention DP 1 against colocated, issue 34);
@@ -38,6 +38,18 @@ for step in "$@"; do
       timeout 180 python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 1000 \
         > "$OUT/hop.txt" 2>&1 || rc=1
       tail -3 "$OUT/hop.txt" | cut -c1-1500 ;;
+    host)
+      # The attention host's step path alone on this host (issue 33): each call's cost, then the
+      # real AttentionSteps + GPU-driven exchange against a real afd-ctl and FFN process, with
+      # and without a working set between steps that evicts the CPU caches (as vLLM's does).
+      timeout 60 python3 "$ROOT/benchmarks/host_call_cost.py" ${mps:+--mps on} \
+        > "$OUT/host_call_cost.txt" 2>&1 || rc=1
+      tail -1 "$OUT/host_call_cost.txt" | cut -c1-1500
+      for ws in 0 256; do
+        timeout 120 python3 "$ROOT/benchmarks/attention_host_step.py" --steps 2000 \
+          --working-set-mb "$ws" > "$OUT/attention_host_step_ws$ws.txt" 2>&1 || rc=1
+        tail -1 "$OUT/attention_host_step_ws$ws.txt" | cut -c1-1500
+      done ;;
     pairs|failure|dbo)
       GPU_CHECK_ARGS="--models ${MODELS:-2} --modes ${MODES:-default,full_decode_only}" \
         OUT="$OUT/check" WORK=/tmp/afd-gpu-check timeout "${CHECK_S:-420}" \
