@@ -8,6 +8,7 @@ step it happened in, read from the inbox (epoch) and the credit count (step).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from afd_data.credits import Credits
 from afd_data.errors import AfdPeerLost
@@ -25,6 +26,8 @@ class Loss:
         self._inbox = inbox
         self._credits = credits
         self.lost: AfdPeerLost | None = None
+        # Called (on the thread that saw it) once per epoch, when the first loss is recorded.
+        self.listeners: list[Callable[[], None]] = []
 
     def where(self) -> tuple[int | None, int | None]:
         """(epoch, step) that probes and losses name."""
@@ -40,6 +43,7 @@ class Loss:
                 epoch=epoch,
             )
             logger.warning("data plane %s: %s", self.name, self.lost)
+            self._tell()
         return self.lost
 
     def report(self, peer: str, detail: str) -> None:
@@ -53,3 +57,11 @@ class Loss:
                 epoch=epoch,
             )
             logger.warning("data plane %s: %s", self.name, self.lost)
+            self._tell()
+
+    def _tell(self) -> None:
+        for listener in self.listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not hide the loss
+                logger.exception("data plane %s: a loss listener failed", self.name)

@@ -95,6 +95,7 @@ class NixlTransport:
         self._p = build_parts(name, self.role, role_rank, config, device)
         self._endpoint = endpoint_for(self._p)
         self.peer_ranks = self._p.peer_ranks
+        self.loss = self._p.loss  # its `listeners` hear an epoch's first loss (any thread)
         tighten_timer_slack()
         logger.info(
             "data plane %s: %s rank %d on %s, %d MiB registered (%s), peers %s, config %s",

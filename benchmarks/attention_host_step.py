@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from afd_ctl.direct import RELAY_COALESCE_S  # noqa: E402
 from afd_ctl.errors import AfdTimeout  # noqa: E402
 from afd_ctl.routing import Role  # noqa: E402
 from afd_ctl.step import StepFlags  # noqa: E402
@@ -167,7 +168,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from afd_ctl.client import WorkerSpec
 
     daemon = Daemon(tmp / "daemon.log", "--expect-attention", "1", "--expect-ffn", "1")
-    access = ControlAccess(daemon.address, direct_payloads="on", publish_coalesce_s=0.02)
+    access = ControlAccess(
+        daemon.address, direct_payloads="on", publish_coalesce_s=RELAY_COALESCE_S
+    )
     attn_plane = plane(Role.ATTENTION, "attn")
     attn_x = attention_exchanges(attn_plane)
     attn = PeerLink(access, WorkerSpec("attn-0", Role.ATTENTION), attn_x, "attention rank 0")

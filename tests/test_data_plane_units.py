@@ -259,3 +259,22 @@ def test_layout_and_blob_carry_the_ffn_groups() -> None:
     old.ParseFromString(encode_blob(blob))
     old.shape.ffn_groups = 0
     assert decode_blob(old.SerializeToString()).shape["ffn_groups"] == 2
+
+
+def test_a_loss_tells_its_listeners_once_per_epoch() -> None:
+    """The GPU-driven exchange's watchdog hears a loss when it is recorded (not at its next
+    round), whichever thread records it; a second loss of the same epoch tells nobody."""
+    from types import SimpleNamespace
+
+    from afd_data.loss import Loss
+
+    heard: list[str] = []
+    loss = Loss("t", SimpleNamespace(epoch=3), SimpleNamespace(step=7))  # type: ignore[arg-type]
+    loss.listeners.append(lambda: heard.append("first"))
+    loss.listeners.append(lambda: 1 / 0)  # a broken listener hides nothing
+    loss.report("ffn:0", "ffn rank 0 was reported lost")
+    loss.report("ffn:1", "ffn rank 1 was reported lost")
+    assert heard == ["first"] and loss.lost is not None and "rank 0" in str(loss.lost)
+    loss.lost = None  # a reconnect (NixlTransport.connect) starts a new epoch
+    loss.report("ffn:1", "ffn rank 1 was reported lost")
+    assert heard == ["first", "first"]

@@ -28,6 +28,7 @@ from tests.gpu_stream_sim import SimGpu
 from tests.procs import child_env
 from vllm_ext.attention.step_failures import AfdStepFailed, failing_step
 from vllm_ext.attention.verdicts import Verdicts
+from vllm_ext.exchange import gpu_watchdog
 from vllm_ext.exchange.gpu_watchdog import InFlight, StepWatchdog
 
 LAYERS = 4
@@ -104,7 +105,11 @@ def test_steps_close_at_once_and_settle_when_their_tokens_are_read(side) -> None
     assert s.gpu.poisoned == 0 and not s.marked
 
 
-def test_a_lost_ffn_fails_the_steps_in_flight_and_later_ones_until_a_reset(side) -> None:
+def test_a_lost_ffn_fails_the_steps_in_flight_and_later_ones_until_a_reset(
+    side, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The overrun round far off: the loss must be seen because it wakes the watchdog.
+    monkeypatch.setattr(gpu_watchdog, "WATCH_S", 60.0)
     s = side()
     s.step(1)
     s.watchdog.verdict([1], s.bound_s)
@@ -113,9 +118,13 @@ def test_a_lost_ffn_fails_the_steps_in_flight_and_later_ones_until_a_reset(side)
     s.step(3, ffn=False)
     time.sleep(0.02)  # the attention stream is parked on step 2's first wait
     assert not s.gpu.drained()
+    assert wait_until(lambda: s.watchdog.thread_rounds > 0, 2.0)  # now in its 60 s wait
     s.lost = "ffn rank 0 was reported lost by the control plane"
+    s.watchdog.wake()  # as the data plane's loss record does (afd_data.loss.Loss.listeners)
+    woken = time.monotonic()
     with pytest.raises(AfdPeerLost, match="reported lost"):
         s.watchdog.verdict([2], s.bound_s)
+    assert time.monotonic() - woken < 10.0  # seen at once, not at the next round (60 s)
     with pytest.raises(AfdPeerLost):
         s.watchdog.verdict([3], s.bound_s)
     assert wait_until(s.gpu.drained, 2.0) and s.gpu.poisoned > 0  # released, not hanging

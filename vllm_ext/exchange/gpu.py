@@ -71,6 +71,7 @@ class GpuSide:
         self.watchdog = StepWatchdog(
             poison=self.hop.poison, lost=plane.lost_reason, mark_lost=plane.mark_lost
         )
+        plane.transport.loss.listeners.append(self.watchdog.wake)  # a loss is seen at once
         config = plane.config
         self._row_bytes = config.hidden_size * config.itemsize
         self._row_bytes += config.router_width * config.router_itemsize
