@@ -147,10 +147,11 @@ def assert_relayed_direct_and_traced(daemon, ffn: Proc, traces: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-# vLLM 0.26: the DeepSeek-V3 case (its grouped top-k with the correction bias, the gate on the
-# attention side, the offline attention role, the profiler); Qwen3-MoE runs there in the
-# expert-split test below, DeepSeek-V2 in every `vllm serve` test.
-@pytest.mark.parametrize("version", [pytest.param(3, marks=pytest.mark.both_lines), "qwen3"])
+# Both lines: the DeepSeek-V3 case (its grouped top-k with the correction bias, the gate on the
+# attention side, the offline attention role, the profiler). Qwen3-MoE's gate on the attention
+# side runs in the expert-split test below (on 0.32: gate_of_the_split); DeepSeek-V2 runs on
+# 0.26 in every `vllm serve` test.
+@pytest.mark.parametrize("version", [pytest.param(3, marks=pytest.mark.both_lines)])
 def test_router_gate_on_the_attention_side_matches_colocated(
     version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
     tmp_path: Path,
@@ -158,9 +159,10 @@ def test_router_gate_on_the_attention_side_matches_colocated(
     """1:1 with AFD_GATE=attention on both roles: the attention side computes each MoE layer's
     router logits and sends them with the hidden states; the FFN side routes with them
     (DeepSeek-V3: sigmoid scores, grouped top-k and the correction bias stay on the FFN side;
-    Qwen3-MoE: softmax top-k with norm_topk_prob on the FFN side). The profiler and direct
-    payloads on too. (The default gate, on the FFN side: DeepSeek-V2 in the slow-attention
-    test below, V3 in the expert-parallel tests, Qwen3-MoE in test_vllm_serve's DP=2.)"""
+    Qwen3-MoE, in the split test below: softmax top-k with norm_topk_prob on the FFN side). The
+    profiler and direct payloads on too. (The default gate, on the FFN side: DeepSeek-V2 in
+    the slow-attention test below, V3 in the expert-parallel tests, Qwen3-MoE in
+    test_vllm_serve's DP=2 and, on 0.26, the split test below.)"""
     model = tiny_models[version]
     reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
@@ -237,6 +239,16 @@ def test_ffn_server_waits_for_a_slow_attention_side(
     assert_relayed_direct_and_traced(daemon, ffn, traces)
 
 
+def gate_of_the_split(version: Version) -> str:
+    """The router gate the split test runs: on vLLM 0.32 Qwen3-MoE's is on the attention side
+    (that family's gate=attention case, on servers this test starts anyway instead of a 1:1
+    run of its own: 20-25 s of the 2 cores; its default gate runs on 0.32 in test_vllm_serve's
+    DP=2); on 0.26 the default (that line's one Qwen3-MoE run with the FFN side's gate)."""
+    from vllm_ext import compat
+
+    return "attention" if version == "qwen3" and compat.vllm_line() == "0.32" else "ffn"
+
+
 @pytest.mark.timeout(600)
 # vLLM 0.26: the Qwen3-MoE case (the Qwen3-MoE model, and the 0.26 CPU MoE kernel's local ids).
 @pytest.mark.parametrize("version", [2, pytest.param("qwen3", marks=pytest.mark.both_lines)])
@@ -245,21 +257,27 @@ def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
     tmp_path: Path,
 ) -> None:  # fmt: skip
     """1 attention : 2 FFN: each FFN server keeps half the routed experts (shared experts and
-    the dense layers on FFN rank 0); the attention side adds the two partial outputs."""
+    the dense layers on FFN rank 0); the attention side adds the two partial outputs. The
+    router gate where gate_of_the_split says (on the attention side: each FFN rank routes its
+    half of the experts with the router logits the attention side sent)."""
     model = tiny_models[version]
     reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "2")
+    gate = gate_of_the_split(version)
+    env = {"AFD_GATE": gate}
     ffns = []
     for rank in range(2):
         config = json.dumps({"afd": {"ffn_rank": rank}})
         ffns.append(
             start_ffn(
-                model, daemon, procs, tmp_path / f"ffn-{rank}.log", "--additional-config", config
+                model, daemon, procs, tmp_path / f"ffn-{rank}.log", "--additional-config", config,
+                env=env,
             )
-        )
-    attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
+        )  # fmt: skip
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=env)
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
+    assert f"gate={gate}" in attention.log(), attention.tail()
     for rank, ffn in enumerate(ffns):
         assert ffn.wait(30) == 0, ffn.tail()
         assert f"expert shard {rank} of 2" in ffn.log(), ffn.tail()
