@@ -96,9 +96,9 @@ MODULE_SECONDS = {
     "test_vllm_afd": 193, "test_vllm_expert_parallel": 166, "test_vllm_serve": 156,
     "test_vllm_failures": 124, "test_multihost": 83, "test_vllm_accuracy_gate": 74,
     "test_vllm_pd": 61, "test_vllm_elastic": 45, "test_vllm_start_errors": 41,
-    "test_control_load": 31, "test_vllm_daemon_restart": 30, "test_data_plane": 26,
+    "test_control_load": 31, "test_data_plane": 26,
     "test_vllm_plugin": 26, "test_install_script": 22, "test_vllm_security": 20,
-    "test_vllm_metrics": 17, "test_control_failures": 15, "test_step_timings": 15,
+    "test_vllm_metrics": 46, "test_control_failures": 15, "test_step_timings": 15,
 }  # fmt: skip
 
 

@@ -47,8 +47,12 @@ _REFERENCES: dict[Version, dict] = {}
 
 def colocated_reference(models: dict[Version, Path], version: Version, log_dir: Path) -> dict:
     """vLLM's own colocated run of models[version], once per model per session. The first call
-    runs every model's at once: each is one process doing one core's work, so on 2 cores the
-    three take about the time of two, and most sessions ask for all three."""
+    runs every model's at once (each is one process doing one core's work: on 2 cores the three
+    take about the time of two); on vLLM 0.26 only those its both_lines tests ask for (V3 and
+    Qwen3-MoE), one process fewer, and a model asked for later gets its own run then."""
+    from vllm_ext import compat
+
+    wanted = {3, "qwen3", version} if compat.vllm_line() == "0.26" else set(models)
     if version not in _REFERENCES:
         procs = {
             v: Proc(
@@ -57,7 +61,7 @@ def colocated_reference(models: dict[Version, Path], version: Version, log_dir: 
                 vllm_env(in_process=True),
             )
             for v, model in models.items()
-            if v not in _REFERENCES
+            if v not in _REFERENCES and v in wanted
         }
         try:
             for v, proc in procs.items():
@@ -126,31 +130,33 @@ def traced_direct_env(traces: Path) -> dict[str, str]:
     }
 
 
-def assert_relayed_direct_and_traced(daemon, ffn: Proc, traces: Path) -> None:
-    """After a 1:1 run with traced_direct_env: a payload per step, the FFN server ended by the
+def assert_relayed_direct_and_traced(daemon, ffns: list[Proc], traces: Path) -> None:
+    """After a run with traced_direct_env: a payload per step, every FFN server ended by the
     attention side's stop, most payloads taken straight from the attention side, and a trace
-    of each role."""
+    of each process."""
     # One payload per forward step (profile run + prefill + decode steps) plus the final stop.
     status = daemon_status(daemon.address)
     steps = int(status.get("stepsRelayed", status.get("steps_relayed", 0)))
     assert steps >= MAX_TOKENS, status
-    # The attention side's stop ends the FFN server cleanly.
-    assert ffn.wait(30) == 0, ffn.tail()
-    assert "afd ffn" in ffn.log() and "exiting after" in ffn.log(), ffn.tail()
-    # Most step payloads came straight from the attention side on this host (afd_ctl.direct);
-    # afd-ctl relayed each of them too, and each ran once.
-    ffn_stats = json.loads(ffn.log().split(": stats ", 1)[1].splitlines()[0])
-    taken = ffn_stats["payloads_direct"] + ffn_stats["payloads_relayed"]
-    assert ffn_stats["payloads_direct"] > taken // 2 and taken == ffn_stats["steps"], ffn_stats
+    for ffn in ffns:
+        # The attention side's stop ends the FFN server cleanly.
+        assert ffn.wait(30) == 0, ffn.tail()
+        assert "afd ffn" in ffn.log() and "exiting after" in ffn.log(), ffn.tail()
+        # Most step payloads came straight from the attention side on this host
+        # (afd_ctl.direct); afd-ctl relayed each of them too, and each ran once.
+        stats = json.loads(ffn.log().split(": stats ", 1)[1].splitlines()[0])
+        taken = stats["payloads_direct"] + stats["payloads_relayed"]
+        assert stats["payloads_direct"] > taken // 2 and taken == stats["steps"], stats
     written = sorted(p.name.split("-")[1] for p in traces.glob("afd-*.json"))
-    assert written == ["attention", "ffn"], written
+    assert written == ["attention"] + ["ffn"] * len(ffns), written
 
 
 @pytest.mark.timeout(600)
-# vLLM 0.26: the DeepSeek-V3 case (its grouped top-k with the correction bias, the gate on the
-# attention side, the offline attention role, the profiler); Qwen3-MoE runs there in the
-# expert-split test below, DeepSeek-V2 in every `vllm serve` test.
-@pytest.mark.parametrize("version", [pytest.param(3, marks=pytest.mark.both_lines), "qwen3"])
+# Both lines: the DeepSeek-V3 case (its grouped top-k with the correction bias, the gate on the
+# attention side, the offline attention role, the profiler). Qwen3-MoE's gate on the attention
+# side runs in the expert-split test below (on 0.32: gate_of_the_split); DeepSeek-V2 runs on
+# 0.26 in every `vllm serve` test.
+@pytest.mark.parametrize("version", [pytest.param(3, marks=pytest.mark.both_lines)])
 def test_router_gate_on_the_attention_side_matches_colocated(
     version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
     tmp_path: Path,
@@ -158,9 +164,10 @@ def test_router_gate_on_the_attention_side_matches_colocated(
     """1:1 with AFD_GATE=attention on both roles: the attention side computes each MoE layer's
     router logits and sends them with the hidden states; the FFN side routes with them
     (DeepSeek-V3: sigmoid scores, grouped top-k and the correction bias stay on the FFN side;
-    Qwen3-MoE: softmax top-k with norm_topk_prob on the FFN side). The profiler and direct
-    payloads on too. (The default gate, on the FFN side: DeepSeek-V2 in the slow-attention
-    test below, V3 in the expert-parallel tests, Qwen3-MoE in test_vllm_serve's DP=2.)"""
+    Qwen3-MoE, in the split test below: softmax top-k with norm_topk_prob on the FFN side). The
+    profiler and direct payloads on too. (The default gate, on the FFN side: DeepSeek-V2 in
+    the slow-attention test below, V3 in the expert-parallel tests, Qwen3-MoE in
+    test_vllm_serve's DP=2 and, on 0.26, the split test below.)"""
     model = tiny_models[version]
     reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
@@ -171,7 +178,7 @@ def test_router_gate_on_the_attention_side_matches_colocated(
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
     assert "gate=attention" in attention.log(), attention.tail()
-    assert_relayed_direct_and_traced(daemon, ffn, traces)
+    assert_relayed_direct_and_traced(daemon, [ffn], traces)
 
 
 @pytest.mark.timeout(600)
@@ -212,54 +219,77 @@ def test_ffn_server_waits_for_a_slow_attention_side(
 ) -> None:
     """An FFN server is a server: it waits for its attention peers past connect_timeout_s (a
     large model's attention side takes minutes to load), then serves them. The attention side
-    starts once the FFN server has registered; its own start-up (vLLM's imports, config,
+    starts once the FFN servers have registered; its own start-up (vLLM's imports, config,
     engine) keeps it from registering for well over connect_timeout_s, as measured. Also the
-    1:1 DeepSeek-V2 case (the default gate) with the profiler and direct payloads."""
+    DeepSeek-V2 case of the split test below (1:2, the default gate; its 1:1 runs in the
+    accuracy gate and the `vllm serve` tests) with the profiler and direct payloads."""
     connect_timeout_s = 2.0
     model = tiny_models[2]
     reference = colocated_reference(tiny_models, 2, tmp_path)
-    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "2")
     traces = tmp_path / "traces"
     env = traced_direct_env(traces)
-    ffn = start_ffn(
-        model, daemon, procs, tmp_path / "ffn.log",
-        env={**env, "AFD_CONNECT_TIMEOUT_S": str(connect_timeout_s)},
-    )  # fmt: skip
-    ffn.wait_for("registered as ffn rank 0", 180)
+    ffns = [
+        start_ffn(
+            model, daemon, procs, tmp_path / f"ffn-{rank}.log", "--additional-config",
+            json.dumps({"afd": {"ffn_rank": rank}}),
+            env={**env, "AFD_CONNECT_TIMEOUT_S": str(connect_timeout_s)},
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    for rank, ffn in enumerate(ffns):
+        ffn.wait_for(f"registered as ffn rank {rank}", 180)
     ffn_registered_at = time.monotonic()
     attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=env)
     daemon.wait_for(r"worker registered: attention", 300)
     waited_s = time.monotonic() - ffn_registered_at
     assert waited_s > 2 * connect_timeout_s, f"the attention side registered after {waited_s} s"
-    assert ffn.popen.poll() is None, ffn.tail()
+    assert all(ffn.popen.poll() is None for ffn in ffns), [ffn.tail() for ffn in ffns]
     assert_same_generation(attention.json_report(timeout=300), reference)
     assert "gate=ffn" in attention.log(), attention.tail()
-    assert_relayed_direct_and_traced(daemon, ffn, traces)
+    assert_relayed_direct_and_traced(daemon, ffns, traces)
+    for rank, ffn in enumerate(ffns):
+        assert f"expert shard {rank} of 2" in ffn.log(), ffn.tail()
+
+
+def gate_of_the_split(version: Version) -> str:
+    """On vLLM 0.32 Qwen3-MoE's gate is on the attention side (a 1:1 run less; its default gate
+    runs there in test_vllm_serve's DP=2); on 0.26 the default (its one such Qwen3-MoE run)."""
+    from vllm_ext import compat
+
+    return "attention" if version == "qwen3" and compat.vllm_line() == "0.32" else "ffn"
 
 
 @pytest.mark.timeout(600)
 # vLLM 0.26: the Qwen3-MoE case (the Qwen3-MoE model, and the 0.26 CPU MoE kernel's local ids).
-@pytest.mark.parametrize("version", [2, pytest.param("qwen3", marks=pytest.mark.both_lines)])
+# DeepSeek-V2's 1:2 runs in the slow-attention test above (0.32), on the servers it starts.
+@pytest.mark.parametrize("version", [pytest.param("qwen3", marks=pytest.mark.both_lines)])
 def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
     version: Version, tiny_models: dict[Version, Path], start_daemon, procs: list[Proc],
     tmp_path: Path,
 ) -> None:  # fmt: skip
     """1 attention : 2 FFN: each FFN server keeps half the routed experts (shared experts and
-    the dense layers on FFN rank 0); the attention side adds the two partial outputs."""
+    the dense layers on FFN rank 0); the attention side adds the two partial outputs. The
+    router gate where gate_of_the_split says (on the attention side: each FFN rank routes its
+    half of the experts with the router logits the attention side sent)."""
     model = tiny_models[version]
     reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "2")
+    gate = gate_of_the_split(version)
+    env = {"AFD_GATE": gate}
     ffns = []
     for rank in range(2):
         config = json.dumps({"afd": {"ffn_rank": rank}})
         ffns.append(
             start_ffn(
-                model, daemon, procs, tmp_path / f"ffn-{rank}.log", "--additional-config", config
+                model, daemon, procs, tmp_path / f"ffn-{rank}.log", "--additional-config", config,
+                env=env,
             )
-        )
-    attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
+        )  # fmt: skip
+    attention = start_attention(model, daemon, procs, tmp_path / "attention.log", env=env)
     report = attention.json_report(timeout=300)
     assert_same_generation(report, reference)
+    assert f"gate={gate}" in attention.log(), attention.tail()
     for rank, ffn in enumerate(ffns):
         assert ffn.wait(30) == 0, ffn.tail()
         assert f"expert shard {rank} of 2" in ffn.log(), ffn.tail()
@@ -296,9 +326,10 @@ def test_plugin_without_afd_settings_changes_nothing(
     tiny_models: dict[Version, Path], tmp_path: Path
 ) -> None:
     """The same colocated run with the plugin disabled (VLLM_PLUGINS names another plugin)
-    gives the same tokens and bit-identical log-probs."""
-    model = tiny_models[2]
-    reference = colocated_reference(tiny_models, 2, tmp_path)
+    gives the same tokens and bit-identical log-probs (DeepSeek-V3: a model both lines have a
+    reference of)."""
+    model = tiny_models[3]
+    reference = colocated_reference(tiny_models, 3, tmp_path)
     proc = Proc(
         offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
         tmp_path / "no-plugin.log",

@@ -195,10 +195,10 @@ def ffn_kill_fails_the_request_then_recovers(
 
 
 @pytest.mark.timeout(600)
-# vLLM 0.26 too: its failed-step seams. Attention DP=2 (the idle engine's dummy batches fail
-# too, both engines reconnect) is test_vllm_serve's Qwen3-MoE DP=2 case, on the servers it
-# starts anyway.
-@pytest.mark.both_lines
+# vLLM 0.32: on 0.26 that line's failed-step seams run in test_vllm_serve's DP=2 DeepSeek-V2
+# case, on the servers it starts anyway (its kill_ffn_here); attention DP=2 (the idle
+# engine's dummy batches fail too, both engines reconnect) is also its Qwen3-MoE case on 0.32.
+# The IPC socket folder's seam has its test on both lines in test_vllm_compat.
 def test_ffn_kill_fails_the_request_and_attention_recovers(
     tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path, short_tmp: Path
 ) -> None:

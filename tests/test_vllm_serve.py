@@ -28,6 +28,7 @@ from tests.colocated_serve import (  # noqa: E402
 )
 from tests.procs import Proc  # noqa: E402
 from tests.test_vllm_failures import AfdServers, ffn_kill_fails_the_request_then_recovers  # noqa: E402
+from vllm_ext import compat  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     bin_path,
     ffn_argv,
@@ -57,42 +58,40 @@ def afd_ctl(*args: str) -> str:
     return out.stdout
 
 
-def api_server_flags(kill_ffn: bool) -> list[str]:
-    """`--api-server-count 1` (one process fewer than vLLM's default of an API server per DP
-    rank: 15 s of a 2-core machine) but where the API server per rank is tested: the Qwen3-MoE
-    case (its failed steps answered by the API server of each request; on 0.32), and on vLLM
-    0.26 the DeepSeek-V2 case, that line's one DP=2 test (the afd section folded into the args
-    vLLM hands its API server processes: hooks.serve_cmd)."""
-    from vllm_ext import compat
-
-    return [] if kill_ffn or compat.vllm_line() == "0.26" else ["--api-server-count", "1"]
+# Each line runs one DP=2 case, and on it the FFN kill (the failed-step seams of that line):
+# vLLM 0.26 the DeepSeek-V2 one (the model of its every `vllm serve` test); 0.32 the Qwen3-MoE
+# one (DeepSeek's MLA under DP=2 with one API server runs on 0.32 in test_vllm_expert_parallel's
+# rank loss, and DP=1's failed step in test_vllm_failures). A DP=2 case is a start of four
+# vLLM processes and a colocated `vllm serve`: 60-100 s of the 2 cores.
+ON_026 = compat.vllm_line() == "0.26"
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "model_fixture,kill_ffn",
+    "model_fixture",
     [
-        pytest.param("tiny_model", False, marks=pytest.mark.both_lines, id="tiny_model"),
-        # DP=2's failed step on the servers this case starts anyway (test_vllm_failures has
-        # DP=1's, on both lines): not a vLLM seam of its own, so on 0.32 only.
-        pytest.param("tiny_qwen3_moe", True, marks=pytest.mark.line_independent,
-                     id="tiny_qwen3_moe"),
+        pytest.param("tiny_model", id="tiny_model", marks=[
+            pytest.mark.both_lines,
+            pytest.mark.skipif(not ON_026, reason="vLLM 0.26's DP=2 case (0.32's: tiny_qwen3_moe)"),
+        ]),
+        pytest.param("tiny_qwen3_moe", marks=pytest.mark.line_independent, id="tiny_qwen3_moe"),
     ],
 )  # fmt: skip
 def test_attention_dp2_to_one_ffn_matches_colocated(
-    model_fixture: str, kill_ffn: bool, request: pytest.FixtureRequest,
+    model_fixture: str, request: pytest.FixtureRequest,
     colocated_serve: Callable[[Path], ColocatedAnswers], start_daemon, procs: list[Proc],
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    """Attention DP=2 (`vllm serve --data-parallel-size 2`) : 1 FFN, DeepSeek-V2 and Qwen3-MoE:
-    completions (each prompt alone in its batch) and a chat with the colocated server's text,
-    afd-ctl relaying a step per token. Both attention ranks send every step (the idle one a
-    dummy batch); the payloads' tap shows the real per-rank counts. An API server per DP rank
-    (vLLM's default) where api_server_flags says, else one. Stopping the attention
-    server makes the FFN server exit cleanly. (`vllm serve` 1:1 goes through the same seams:
-    its servers start in test_vllm_failures, test_vllm_metrics and others.) Qwen3-MoE also
-    loses its FFN server (kill -9) mid-request: the 503, /health, the idle engine's dummy
-    batches failing too, both engines reconnecting to a new FFN server, the same answers."""
+    """Attention DP=2 (`vllm serve --data-parallel-size 2`) : 1 FFN, DeepSeek-V2 on vLLM 0.26
+    and Qwen3-MoE on 0.32 (ON_026 says why): completions (each prompt alone in its batch) and a
+    chat with the colocated server's text, afd-ctl relaying a step per token. Both attention
+    ranks send every step (the idle one a dummy batch); the payloads' tap shows the real
+    per-rank counts. An API server per DP rank (vLLM's default; the afd section folded into the
+    args vLLM hands them: hooks.serve_cmd). Then the FFN server is lost (kill -9) mid-request:
+    the 503, /health, the idle engine's dummy batches failing too, both engines reconnecting to
+    a new FFN server, the same answers. Stopping the attention server makes the FFN server exit
+    cleanly. (`vllm serve` 1:1 goes through the same seams: its servers start in
+    test_vllm_failures, test_vllm_metrics and others.)"""
     tiny_model: Path = request.getfixturevalue(model_fixture)
     want = colocated_serve(tiny_model)
 
@@ -107,7 +106,7 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
     port = free_port()
     attention = Proc(
         serve_argv(
-            tiny_model, port, "--data-parallel-size", "2", *api_server_flags(kill_ffn),
+            tiny_model, port, "--data-parallel-size", "2",
             "--afd-role", "attention", "--afd-controller", daemon.address,
         ),
         tmp_path / "attention.log",
@@ -153,13 +152,12 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
     # A request runs on one rank while the other runs a dummy batch: the counts differ.
     assert any(c[0] != c[1] for c in counts), counts
 
-    if kill_ffn:
-        health = f"http://127.0.0.1:{port}/health"
-        each = {**EACH, "model": str(tiny_model), "prompt": PROMPTS[0]}
-        servers = AfdServers(daemon, ffn, attention, health, url, each, want.each[0])
-        ffn = ffn_kill_fails_the_request_then_recovers(
-            servers, tiny_model, ffn_tmp, procs, tmp_path, dp=2
-        )
+    health = f"http://127.0.0.1:{port}/health"
+    each = {**EACH, "model": str(tiny_model), "prompt": PROMPTS[0]}
+    servers = AfdServers(daemon, ffn, attention, health, url, each, want.each[0])
+    ffn = ffn_kill_fails_the_request_then_recovers(
+        servers, tiny_model, ffn_tmp, procs, tmp_path, dp=2
+    )
 
     # Stopping the attention server makes the FFN server exit cleanly.
     attention.signal(signal.SIGTERM)
