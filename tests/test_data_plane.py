@@ -640,11 +640,14 @@ def test_peer_lost_event_interrupts_wait_and_reconnect_recovers(pair) -> None:
     t, fake = pair("ffn")
     t.begin_step(Step.of(1, [[1]]))
     assert not t.mark_peer_lost(Role.FFN, 0)  # not a peer of an FFN worker: ignored
+    heard: list[str] = []  # what the GPU-driven exchange's watchdog registers (its wake)
+    t.loss.listeners.append(lambda: heard.append(threading.current_thread().name))
     threading.Timer(0.2, t.mark_peer_lost, (Role.ATTENTION, 0, "keepalive failed")).start()
     started = time.monotonic()
     with pytest.raises(AfdPeerLost, match="^afd peer lost: attention rank 0 .*keepalive failed"):
         t.recv_hidden(0, 0, timeout_s=30)
     assert time.monotonic() - started < 2.0
+    assert len(heard) == 1 and heard[0] != threading.current_thread().name  # once, on the Timer's
     with pytest.raises(AfdPeerLost):
         t.begin_step(Step.of(2, [[1]]))
     t.reconnect(4, [fake.spec()])

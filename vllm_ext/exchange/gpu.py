@@ -71,7 +71,6 @@ class GpuSide:
         self.watchdog = StepWatchdog(
             poison=self.hop.poison, lost=plane.lost_reason, mark_lost=plane.mark_lost
         )
-        plane.transport.loss.listeners.append(self.watchdog.wake)  # a loss is seen at once
         config = plane.config
         self._row_bytes = config.hidden_size * config.itemsize
         self._row_bytes += config.router_width * config.router_itemsize
@@ -141,6 +140,7 @@ class GpuAttentionExchange(GpuSide):
     ) -> None:
         super().__init__(plane, reporting, host)
         device = torch.device(plane.device)
+        plane.transport.loss.listeners.append(self.watchdog.wake)  # a loss is seen at once
         # Its driver calls (the poison) need the worker's CUDA device current on its thread.
         if device.type == "cuda":
             self.watchdog.start(setup=lambda: torch.cuda.set_device(device))

@@ -139,7 +139,10 @@ class StepWatchdog:
             else:
                 self._inflight.append(step)
             # No notify: waking the watchdog's thread per step took the interpreter lock from
-            # the engine's; it looks within its idle wait (IDLE_S), far inside any bound.
+            # the engine's; it looks within its idle wait (IDLE_S), far inside any bound. But a
+            # step enqueued after a loss its round may already have passed is looked at now.
+            if self._lost() is not None:
+                self._woken.set()
 
     def verdict(self, step_ids: Iterable[int], bound_s: float) -> None:
         """Raises AfdPeerLost or AfdTimeout if any of these steps failed; waits (bounded) for
@@ -310,6 +313,8 @@ class StepWatchdog:
             setup()
             while not self._stop.is_set():
                 self._woken.clear()  # before looking: a wake from here on ends the wait below
+                if self._stop.is_set():  # stop() set both: its wake was just cleared
+                    return
                 if not self._inflight:
                     # Not on the condition: every retired step notifies it (for a verdict that
                     # waits), and the runner retires a step at every verdict.
