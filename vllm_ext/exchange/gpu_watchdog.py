@@ -35,7 +35,7 @@ POISON_EVERY_S = 200e-6
 # After the poison: a stream that still has not drained waits on something nothing releases.
 POISONED_DRAIN_S = 10.0
 POLL_S = 1e-3
-# The watchdog thread's wait while no step is in flight (enqueue does not wake it).
+# The watchdog thread's wait while no step is in flight (enqueue wakes it only after a loss).
 IDLE_S = 0.05
 # The thread's round while steps are in flight: it looks for an overrun (the bounds are
 # seconds). A loss wakes it at once (`wake`, which the data plane's loss record calls), and a
