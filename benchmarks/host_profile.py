@@ -12,7 +12,8 @@ one more repeat at batch B, after the timed ones, and puts this summary in the J
   does not say), the `afd_share` of its samples whose innermost
   frame of this project (afd_ctl, afd_data, vllm_ext) or of vLLM is this project's, the functions it spent most samples in
   (`leaf`: where the samples stopped; `inclusive`: anywhere on the stack, leaving out the frames
-  on nearly every sample, such as the thread's own loop).
+  on nearly every sample, such as the thread's own loop); `afd_inclusive`: among the AFD
+  samples, this project's functions anywhere on the stack (where AFD's share goes).
 
 py-spy is optional: without it (or where the machine forbids attaching) the summary says why.
 
@@ -139,6 +140,7 @@ def summarise(raw: str, wall_s: float, rate: int, top: int = TOP, taken: int = 0
             continue
         leaf: Counter[str] = Counter()
         inclusive: Counter[str] = Counter()
+        afd: Counter[str] = Counter()
         ours = 0
         for calls, n in samples:
             names = [_frame_name(f) for f in calls]
@@ -146,7 +148,10 @@ def summarise(raw: str, wall_s: float, rate: int, top: int = TOP, taken: int = 0
                 leaf[names[-1]] += n
             for name in set(names):
                 inclusive[name] += n
-            ours += n * _ours(calls)
+            if _ours(calls):
+                ours += n
+                for name in {_frame_name(f) for f in calls if any(p in f for p in OURS)}:
+                    afd[name] += n
         near_all = {name for name, n in inclusive.items() if n >= 0.95 * total}
         threads_out.append(
             {
@@ -159,6 +164,9 @@ def summarise(raw: str, wall_s: float, rate: int, top: int = TOP, taken: int = 0
                     [k, round(n / total, 3)]
                     for k, n in inclusive.most_common()
                     if k not in near_all
+                ][:top],
+                "afd_inclusive": [
+                    [k, round(n / total, 3)] for k, n in afd.most_common() if k not in near_all
                 ][:top],
             }
         )

@@ -441,6 +441,8 @@ def test_host_profile_summary_names_each_busy_thread_and_where_it_spent_its_samp
         "schedule (vllm/sched.py)",
         "open_step (vllm_ext/attention/steps.py)",
     ]
+    # where AFD's share went: its own functions, the wrapper on every sample left out
+    assert thread["afd_inclusive"] == [["open_step (vllm_ext/attention/steps.py)", 0.3]]
     # py-spy lagging (125 samples in 2.0 s at 100 Hz, not 200): shares are of the samples it
     # says it took, not of rate x wall.
     lagged = summarise(raw, wall_s=2.0, rate=100, taken=samples_taken(PY_SPY_END))
