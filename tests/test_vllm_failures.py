@@ -1,6 +1,8 @@
 """An FFN server killed with kill -9 under a real `vllm serve --afd-role attention`: the request
 in flight fails with a clear error within 10 s, the attention server stays up and reports 503 on
-/health, and once an FFN server is started again it is healthy and answers as before."""
+/health, and once an FFN server is started again it is healthy and answers as before. Before
+that, on the same 1:1 pair (one start for the module), a freeze of either side that only the
+other's data plane sees heals through a new epoch."""
 
 from __future__ import annotations
 
@@ -35,15 +37,6 @@ from vllm_ext.testing.procs import (  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny_model(tiny_v2: Path) -> Path:
     return tiny_v2
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A folder of the temporary folder's own: under pytest's tmp_path, the path of vLLM's IPC
-    sockets would be longer than a socket's path may be."""
-    folder = Path(tempfile.mkdtemp(prefix="afd-t-"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def http_status(url: str) -> int:
@@ -99,8 +92,8 @@ def wait_status(url: str, want: int, timeout_s: float) -> float:
 # The attention server's worker in its engine core's process (vLLM's uni executor: CPU vLLM
 # runs it only with VLLM_ENABLE_V1_MULTIPROCESSING=0, GPU vLLM by default at TP=1): a process
 # fewer, about 6 s of the 2 cores per start, for the tests whose point is not the worker's
-# process (the data-plane-only losses here, the restart, metrics, security and elastic tests;
-# the FFN-kill test here and the `vllm serve` tests keep vLLM's CPU default, a worker process).
+# process (this module's pair, the restart, metrics, security and elastic tests; the `vllm
+# serve` DP=2 tests keep vLLM's CPU default, a worker process per engine, FFN kill included).
 UNI_EXECUTOR = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -163,6 +156,9 @@ def ffn_kill_fails_the_request_then_recovers(
     /health 503 and fails new requests at once; a new FFN server: /health 200 and the same
     answer as before the kill (every DP engine reconnected). Returns the new FFN server."""
     health, url, body = servers.health, servers.url, servers.body
+    # Counted from here: a pair that other tests used has failed and reconnected before.
+    failed_before = servers.attention.log().count("failed 1 running request(s)")
+    reconnects_before = servers.attention.log().count("reconnected to 1 ffn peer(s)")
     events, killed_at, ended_at = stream_and_kill(url, body, servers.ffn)
     assert len(events) >= 2, events
     assert ended_at - killed_at < 10, f"the request ended {ended_at - killed_at:.1f} s after"
@@ -189,45 +185,37 @@ def ffn_kill_fails_the_request_then_recovers(
     wait_status(health, 200, 180)
     assert post_json(url, body)["choices"][0]["text"] == servers.before
     log = servers.attention.log()
-    assert "failed 1 running request(s)" in log, servers.attention.tail()
-    assert log.count("reconnected to 1 ffn peer(s)") >= dp, servers.attention.tail()
+    assert log.count("failed 1 running request(s)") > failed_before, servers.attention.tail()
+    reconnects = log.count("reconnected to 1 ffn peer(s)") - reconnects_before
+    assert reconnects >= dp, servers.attention.tail()
     return ffn2
 
 
-@pytest.mark.timeout(600)
-# vLLM 0.32: on 0.26 that line's failed-step seams run in test_vllm_serve's DP=2 DeepSeek-V2
-# case, on the servers it starts anyway (its kill_ffn_here); attention DP=2 (the idle
-# engine's dummy batches fail too, both engines reconnect) is also its Qwen3-MoE case on 0.32.
-# The IPC socket folder's seam has its test on both lines in test_vllm_compat.
-def test_ffn_kill_fails_the_request_and_attention_recovers(
-    tiny_model: Path, start_daemon, procs: list[Proc], tmp_path: Path, short_tmp: Path
-) -> None:
-    ffn_tmp, attention_tmp = tmp_path / "ffn-tmp", short_tmp
-    ffn_tmp.mkdir()
-    servers = start_afd_servers(
-        tiny_model, start_daemon, procs, tmp_path,
-        ffn_env={"TMPDIR": str(ffn_tmp)}, attention_env={"TMPDIR": str(attention_tmp)},
-    )  # fmt: skip
-    ffn2 = ffn_kill_fails_the_request_then_recovers(servers, tiny_model, ffn_tmp, procs, tmp_path)
-    # vLLM's IPC sockets are in a folder of the attention server's own while it runs
-    # (compat.ipc_sockets), and gone with it once it stops.
-    (ipc_folder,) = attention_tmp.glob("afd-ipc-*")
-    assert any(p.is_socket() for p in ipc_folder.iterdir()), list(ipc_folder.iterdir())
-    servers.attention.signal(signal.SIGTERM)
-    assert servers.attention.wait(60) == 0, servers.attention.tail()
-    assert ffn2.wait(30) == 0, ffn2.tail()
-    left = [p for p in attention_tmp.rglob("*") if p.is_socket() or "afd-ipc-" in p.name]
-    assert not left, f"a stopped attention server left {left}"
+@dataclass
+class SharedPair:
+    """The module's one 1:1 pair (short_bound_pair), each side with a temporary folder of its
+    own, and the list its tests add processes to (stopped at the module's end)."""
+
+    servers: AfdServers
+    ffn_tmp: Path
+    attention_tmp: Path
+    root: Path
+    procs: list[Proc]
 
 
 @pytest.fixture(scope="module")
 def short_bound_pair(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[AfdServers]:
-    """One 1:1 pair for both data-plane-only losses below (a start costs 25-30 s of the 2
-    cores), each side's step bound 0.5 s: far below afd-ctl's liveness bound, so a freeze of
-    about a second is seen by the data plane only. Each test leaves the pair serving."""
+) -> Iterator[SharedPair]:
+    """One 1:1 pair for the module's three tests (a start costs 25-30 s of the 2 cores): the
+    two data-plane-only losses, each leaving the pair serving, then the FFN kill, which stops
+    it. Each side's step bound is 0.5 s: far below afd-ctl's liveness bound, so a freeze of
+    about a second is seen by the data plane only. The attention server's temporary folder is
+    one of its own outside pytest's (there the path of vLLM's IPC sockets would be longer than
+    a socket's path may be)."""
     root = tmp_path_factory.mktemp("short-bounds")
+    ffn_tmp, attention_tmp = root / "ffn-tmp", Path(tempfile.mkdtemp(prefix="afd-t-"))
+    ffn_tmp.mkdir()
     started: list[Proc] = []
 
     def daemon(*args: str) -> Daemon:
@@ -236,26 +224,28 @@ def short_bound_pair(
 
     bound = {"AFD_STEP_TIMEOUT_S": "0.5"}
     try:
-        yield start_afd_servers(
-            tiny_model, daemon, started, root, ffn_env=bound,
-            attention_env={**bound, **UNI_EXECUTOR},
+        servers = start_afd_servers(
+            tiny_model, daemon, started, root, ffn_env={**bound, "TMPDIR": str(ffn_tmp)},
+            attention_env={**bound, **UNI_EXECUTOR, "TMPDIR": str(attention_tmp)},
         )  # fmt: skip
+        yield SharedPair(servers, ffn_tmp, attention_tmp, root, started)
     finally:
         for proc in started:
             proc.stop()
+        shutil.rmtree(attention_tmp, ignore_errors=True)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.line_independent
 def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
-    short_bound_pair: AfdServers,
+    short_bound_pair: SharedPair,
 ) -> None:
     """The FFN server freezes (SIGSTOP) longer than the attention side's step bound but not as
     long as afd-ctl's liveness bound: only the attention side's data plane calls it lost, and
     afd-ctl still sees everyone in the same epoch, so no new view would ever come by itself.
     The attention worker rejoins afd-ctl; the new epoch reconnects both sides and requests
     succeed again, without restarting anything."""
-    servers = short_bound_pair
+    servers = short_bound_pair.servers
     ffn, attention = servers.ffn, servers.attention
 
     ffn.signal(signal.SIGSTOP)
@@ -274,13 +264,13 @@ def test_a_loss_only_the_data_plane_sees_heals_through_a_new_epoch(
 @pytest.mark.timeout(600)
 @pytest.mark.line_independent
 def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
-    short_bound_pair: AfdServers,
+    short_bound_pair: SharedPair,
 ) -> None:
     """The attention server freezes (SIGSTOP) mid-decode for longer than the FFN server's
     step bound but not afd-ctl's liveness bound: only the FFN's data plane calls it lost. The
     FFN server rejoins afd-ctl; the new epoch reconnects both sides and requests succeed.
     (On the pair the test above leaves serving: the FFN's rejoins are counted from here.)"""
-    servers = short_bound_pair
+    servers = short_bound_pair.servers
     ffn, attention = servers.ffn, servers.attention
     rejoins = ffn.log().count("rejoin in a new epoch")
 
@@ -301,3 +291,33 @@ def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
     assert ffn.log().count("rejoin in a new epoch") > rejoins, ffn.tail()
     assert answered_again(servers) == servers.before
     assert attention.popen.poll() is None and ffn.popen.poll() is None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.line_independent
+# vLLM 0.32: on 0.26 that line's failed-step seams run in test_vllm_serve's DP=2 DeepSeek-V2
+# case, on the servers it starts anyway; attention DP=2 (the idle engine's dummy batches fail
+# too, both engines reconnect, each engine's worker in a process of its own) is also its
+# Qwen3-MoE case on 0.32. The IPC socket folder's seam has its test on both lines in
+# test_vllm_compat. Last in this module: it stops the shared pair.
+def test_ffn_kill_fails_the_request_and_attention_recovers(
+    tiny_model: Path, short_bound_pair: SharedPair
+) -> None:
+    """On the pair the data-plane-only losses above leave serving: the FFN server killed
+    (kill -9) mid-request, the 503, /health, a new FFN server and the same answers
+    (ffn_kill_fails_the_request_then_recovers); vLLM's IPC sockets in a folder of the
+    attention server's own, gone once it stops; the stop ends the new FFN server cleanly."""
+    pair = short_bound_pair
+    servers = pair.servers
+    ffn2 = ffn_kill_fails_the_request_then_recovers(
+        servers, tiny_model, pair.ffn_tmp, pair.procs, pair.root
+    )
+    # vLLM's IPC sockets are in a folder of the attention server's own while it runs
+    # (compat.ipc_sockets), and gone with it once it stops.
+    (ipc_folder,) = pair.attention_tmp.glob("afd-ipc-*")
+    assert any(p.is_socket() for p in ipc_folder.iterdir()), list(ipc_folder.iterdir())
+    servers.attention.signal(signal.SIGTERM)
+    assert servers.attention.wait(60) == 0, servers.attention.tail()
+    assert ffn2.wait(30) == 0, ffn2.tail()
+    left = [p for p in pair.attention_tmp.rglob("*") if p.is_socket() or "afd-ipc-" in p.name]
+    assert not left, f"a stopped attention server left {left}"
