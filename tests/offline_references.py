@@ -1,0 +1,92 @@
+"""vLLM's own colocated runs of the tiny models, offline (LLM(), in-process): the references
+the AFD runs of test_vllm_afd and test_vllm_expert_parallel must match, started once per
+session, side by side (each is one process doing one core's work), with the one-process
+check runs of test_vllm_afd beside them."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from tests.procs import Proc
+from vllm_ext.testing.procs import offline_argv, vllm_env
+
+MAX_TOKENS = 16
+
+# A tiny model per family: DeepSeek-V2 (2), -V3 (3), Qwen3-MoE ("qwen3").
+Version = int | str
+
+_REFERENCES: dict[Version, dict] = {}
+# One-process check runs of test_vllm_afd's tests, run beside the first batch of references
+# when their test is in the session (ask_beside_references, from test_vllm_afd's tiny_models,
+# fills _BESIDE): alone, each cost 15-20 s of the 2 cores.
+BESIDE_REFERENCES = {
+    "zero-ffn": "test_ffn_output_matters",
+    "no-plugin": "test_plugin_without_afd_settings_changes_nothing",
+}
+_BESIDE: set[str] = set()
+
+
+def one_process_run(models: dict[Version, Path], name: Version, log_dir: Path) -> Proc:
+    """A colocated reference (`name` a model of `models`), or a check run of BESIDE_REFERENCES:
+    one process each, its report the last stdout line."""
+    env = vllm_env(in_process=True)
+    if name == "zero-ffn":  # every FFN output replaced by zeros (DeepSeek-V2)
+        script = (
+            "import json, torch\n"
+            "from vllm_ext.testing.offline import generate\n"
+            "from vllm.model_executor.models import deepseek_v2 as d\n"
+            "d.DeepseekV2MoE.forward = lambda self, h, *a, **k: torch.zeros_like(h)\n"
+            f"print(json.dumps({{'results': generate({str(models[2])!r}, "
+            f"max_tokens={MAX_TOKENS})}}))\n"
+        )
+        return Proc([sys.executable, "-c", script], log_dir / "zero-ffn.log", env)
+    if name == "no-plugin":  # VLLM_PLUGINS names another plugin: AFD's is not loaded (V3)
+        env = vllm_env({"VLLM_PLUGINS": "none-but-afd-is-off"}, in_process=True)
+        argv = offline_argv(models[3], "--max-tokens", str(MAX_TOKENS))
+        return Proc(argv, log_dir / "no-plugin.log", env)
+    argv = offline_argv(models[name], "--max-tokens", str(MAX_TOKENS))
+    return Proc(argv, log_dir / f"colocated-v{name}.log", env)
+
+
+def colocated_reference(models: dict[Version, Path], version: Version, log_dir: Path) -> dict:
+    """vLLM's own colocated run of models[version], once per model per session. The first call
+    runs every model's at once, and the check runs of BESIDE_REFERENCES this session asks for
+    (each is one process doing one core's work: on 2 cores the three references take about the
+    time of two); on vLLM 0.26 only the references its both_lines tests ask for (V3 and
+    Qwen3-MoE), one process fewer, and a model asked for later gets its own run then."""
+    from vllm_ext import compat
+
+    wanted = {3, "qwen3", version} if compat.vllm_line() == "0.26" else set(models)
+    if version not in _REFERENCES:
+        names = [v for v in models if v not in _REFERENCES and v in wanted]
+        names += [n for n in BESIDE_REFERENCES if n in _BESIDE and n not in _REFERENCES]
+        procs = {name: one_process_run(models, name, log_dir) for name in names}
+        try:
+            for name, proc in procs.items():
+                _REFERENCES[name] = proc.json_report(timeout=240)
+        finally:
+            for proc in procs.values():
+                proc.stop()
+    return _REFERENCES[version]
+
+
+def check_run(models: dict[Version, Path], name: str, log_dir: Path) -> dict:
+    """The report of a check run of BESIDE_REFERENCES: from the references' batch, or its own
+    run where that batch ran without it."""
+    if name not in _REFERENCES:
+        proc = one_process_run(models, name, log_dir)
+        try:
+            _REFERENCES[name] = proc.json_report(timeout=240)
+        finally:
+            proc.stop()
+    return _REFERENCES[name]
+
+
+def ask_beside_references(items: Iterable[pytest.Item]) -> None:
+    """The check runs whose test is among `items` (the session's) go beside the references."""
+    selected = {item.name for item in items}
+    _BESIDE.update(name for name, test in BESIDE_REFERENCES.items() if test in selected)
