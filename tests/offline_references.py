@@ -1,7 +1,7 @@
 """vLLM's own colocated runs of the tiny models, offline (LLM(), in-process): the references
 the AFD runs of test_vllm_afd and test_vllm_expert_parallel must match, started once per
-session, side by side (each is one process doing one core's work), with the one-process
-check runs of test_vllm_afd beside them."""
+session, side by side (each is one process doing one core's work), with the check runs of
+test_vllm_afd's tests beside them (BESIDE_REFERENCES)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ MAX_TOKENS = 16
 Version = int | str
 
 _REFERENCES: dict[Version, dict] = {}
-# One-process check runs of test_vllm_afd's tests, run beside the first batch of references
-# when their test is in the session (ask_beside_references, from test_vllm_afd's tiny_models,
-# fills _BESIDE): alone, each cost 15-20 s of the 2 cores.
+# Check runs of test_vllm_afd's tests, run beside the first batch of references when their
+# test is in the session (ask_beside_references, from tiny_models, fills _BESIDE): alone, each
+# cost 10-25 s of the 2 cores. One process each, but the TP=2 reference (three: a worker per
+# TP rank). (test_vllm_expert_parallel's two expert-shard runs, 7-8 s side by side, cost more
+# than that in the batch: the router-gate test 20 s more on vLLM 0.26.)
 BESIDE_REFERENCES = {
     "zero-ffn": "test_ffn_output_matters",
     "no-plugin": "test_plugin_without_afd_settings_changes_nothing",
+    "tp2": "test_attention_tp2_to_one_ffn_matches_colocated",
 }
 _BESIDE: set[str] = set()
 
@@ -48,8 +51,23 @@ def one_process_run(models: dict[Version, Path], name: Version, log_dir: Path) -
         env = vllm_env({"VLLM_PLUGINS": "none-but-afd-is-off"}, in_process=True)
         argv = offline_argv(models[3], "--max-tokens", str(MAX_TOKENS))
         return Proc(argv, log_dir / "no-plugin.log", env)
+    if name == "tp2":  # DeepSeek-V2 at TP=2 (a worker process per TP rank)
+        argv = offline_argv(
+            models[2], "--max-tokens", str(MAX_TOKENS), "--tensor-parallel-size", "2"
+        )
+        return Proc(argv, log_dir / "colocated-tp2.log", env)
     argv = offline_argv(models[name], "--max-tokens", str(MAX_TOKENS))
     return Proc(argv, log_dir / f"colocated-v{name}.log", env)
+
+
+def _reports(procs: dict[Version, Proc]) -> None:
+    """Each run's report into _REFERENCES; every run stopped at the end."""
+    try:
+        for name, proc in procs.items():
+            _REFERENCES[name] = proc.json_report(timeout=300)
+    finally:
+        for proc in procs.values():
+            proc.stop()
 
 
 def colocated_reference(models: dict[Version, Path], version: Version, log_dir: Path) -> dict:
@@ -64,26 +82,16 @@ def colocated_reference(models: dict[Version, Path], version: Version, log_dir: 
     if version not in _REFERENCES:
         names = [v for v in models if v not in _REFERENCES and v in wanted]
         names += [n for n in BESIDE_REFERENCES if n in _BESIDE and n not in _REFERENCES]
-        procs = {name: one_process_run(models, name, log_dir) for name in names}
-        try:
-            for name, proc in procs.items():
-                _REFERENCES[name] = proc.json_report(timeout=240)
-        finally:
-            for proc in procs.values():
-                proc.stop()
+        _reports({name: one_process_run(models, name, log_dir) for name in names})
     return _REFERENCES[version]
 
 
-def check_run(models: dict[Version, Path], name: str, log_dir: Path) -> dict:
-    """The report of a check run of BESIDE_REFERENCES: from the references' batch, or its own
-    run where that batch ran without it."""
-    if name not in _REFERENCES:
-        proc = one_process_run(models, name, log_dir)
-        try:
-            _REFERENCES[name] = proc.json_report(timeout=240)
-        finally:
-            proc.stop()
-    return _REFERENCES[name]
+def check_runs(models: dict[Version, Path], names: list[str], log_dir: Path) -> list[dict]:
+    """The reports of check runs of BESIDE_REFERENCES: from the references' batch, or runs of
+    their own (side by side) where that batch ran without them."""
+    missing = [name for name in names if name not in _REFERENCES]
+    _reports({name: one_process_run(models, name, log_dir) for name in missing})
+    return [_REFERENCES[name] for name in names]
 
 
 def ask_beside_references(items: Iterable[pytest.Item]) -> None:

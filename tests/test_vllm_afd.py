@@ -21,7 +21,7 @@ from tests.offline_references import (  # noqa: E402
     MAX_TOKENS,
     Version,
     ask_beside_references,
-    check_run,
+    check_runs,
     colocated_reference,
 )
 from tests.procs import Proc  # noqa: E402
@@ -166,14 +166,7 @@ def test_attention_tp2_to_one_ffn_matches_colocated(
     attention_tp_size ignores it, saying so."""
     model = tiny_models[2]
     tp = ["--tensor-parallel-size", "2"]
-    colocated = Proc(
-        offline_argv(model, "--max-tokens", str(MAX_TOKENS), *tp),
-        tmp_path / "colocated-tp2.log",
-        vllm_env(in_process=True),
-    )
-    procs.append(colocated)
-    reference = colocated.json_report(timeout=300)
-    colocated.stop()
+    (reference,) = check_runs(tiny_models, ["tp2"], tmp_path)  # colocated at TP=2
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     ffn = start_ffn(model, daemon, procs, tmp_path / "ffn.log", env={"AFD_ATTENTION_TP_SIZE": "2"})
     attention = start_attention(model, daemon, procs, tmp_path / "attention.log", *tp)
@@ -275,7 +268,7 @@ def test_ffn_output_matters(tiny_models: dict[Version, Path], tmp_path: Path) ->
     """Guards the comparison above: the tiny model's FFN blocks move the greedy tokens, so a
     broken hand-off (here: every FFN output replaced by zeros) cannot match colocated."""
     reference = colocated_reference(tiny_models, 2, tmp_path)
-    broken = check_run(tiny_models, "zero-ffn", tmp_path)
+    (broken,) = check_runs(tiny_models, ["zero-ffn"], tmp_path)
     assert any(
         a["token_ids"] != b["token_ids"]
         for a, b in zip(broken["results"], reference["results"], strict=True)
@@ -291,7 +284,7 @@ def test_plugin_without_afd_settings_changes_nothing(
     gives the same tokens and bit-identical log-probs (DeepSeek-V3: a model both lines have a
     reference of)."""
     reference = colocated_reference(tiny_models, 3, tmp_path)
-    plain = check_run(tiny_models, "no-plugin", tmp_path)
+    (plain,) = check_runs(tiny_models, ["no-plugin"], tmp_path)
     assert [r["token_ids"] for r in plain["results"]] == [
         r["token_ids"] for r in reference["results"]
     ]
