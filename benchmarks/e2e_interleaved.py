@@ -7,7 +7,8 @@ start together; once both are warm every batch size's timed repeats alternate be
 B at one repeat, B, A at the next: benchmarks/interleave.py), so drift on a shared machine hits
 both alike. What is reported per depth and batch: both medians, the ratio AFD / colocated
 with its 95% bootstrap interval, and with two depths or more the fit of what AFD adds per step and
-per layer, each with its interval. A ratio interval wider than `--interval-bound` (relative)
+per layer, each with its interval, over depths of one pacing (depth_fit: on one H200, 2 layers'
+steps wait for vLLM's host and 4 layers' for the GPU; fit 4 and 6 there). A ratio interval wider than `--interval-bound` (relative)
 first gets more repeats of its batch size alone (`--max-repeats`, within `--more-budget-s`:
 noise measured longer where it is, not everywhere), then refuses the run, naming it;
 everything else decode_runner refuses stays refused.
@@ -293,6 +294,46 @@ def profile_repeat(
     return out
 
 
+def paced_by(run: dict[str, Any], part: str, batch: int) -> str:
+    """ "host" where the part's steps at `batch` waited for the host (its timeline's host lead
+    below zero: the GPU idles until vLLM's host hands it the next step), "gpu" where the host
+    ran ahead, "" where no timeline says."""
+    rows = run.get("timelines", {}).get(part, {}).get("by_rows", {}).get(str(batch), {})
+    lead = rows.get("host_lead_ms")
+    return "" if lead is None else ("host" if lead < 0 else "gpu")
+
+
+def depth_fit(depths: dict[int, dict[str, Any]], part: str, batch: int) -> dict[str, Any]:
+    """What `part` adds per step and per layer at `batch` (layer_fit), over the depths of one
+    pacing only: where a shallow depth's steps wait for the host and a deeper one's for the
+    GPU, a line through both measures the host's pacing, not AFD (the 12-06 H200 run: 2 layers
+    host-paced at a host lead of -0.9 ms, 4 layers GPU-paced at +2.6 ms). GPU-paced depths are
+    fitted where two or more are; else host-paced ones; else nothing, saying why."""
+    pacing = {d: paced_by(run, part, batch) for d, run in depths.items()}
+    gpu = [d for d in depths if pacing[d] in ("gpu", "")]
+    host = [d for d in depths if pacing[d] == "host"]
+    use = gpu if len(gpu) >= 2 else host if len(host) >= 2 else []
+    out: dict[str, Any] = {"paced_by": {str(d): pacing[d] or "unknown" for d in sorted(depths)}}
+    if not use:
+        out["not_fitted"] = (
+            f"no two depths of one pacing (GPU-paced {sorted(gpu)}, host-paced {sorted(host)}): "
+            "add deeper depths, whose steps the GPU paces"
+        )
+        return out
+    if len(use) < len(depths):
+        out["left_out_depths"] = sorted(set(depths) - set(use))
+    afd = {d: depths[d]["tpot_ms"][part][batch] for d in use}
+    colo = {d: depths[d]["tpot_ms"]["colocated"][batch] for d in use}
+    step, layer = layer_fit(afd, colo)
+    out.update(
+        per_step_added_us=round(step.value, 1),
+        per_step_added_us_interval=step.as_list(1),
+        per_layer_added_us=round(layer.value, 1),
+        per_layer_added_us_interval=layer.as_list(1),
+    )
+    return out
+
+
 def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, Any] = {
@@ -359,15 +400,7 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
     if len(depths) >= 2 and colocated_in_all:
         for p in afd_parts:
             for b in batches:
-                afd = {d: run["tpot_ms"][p][b] for d, run in depths.items()}
-                colo = {d: run["tpot_ms"]["colocated"][b] for d, run in depths.items()}
-                step, layer = layer_fit(afd, colo)
-                result[f"fit_{p}_batch_{b}"] = {
-                    "per_step_added_us": round(step.value, 1),
-                    "per_step_added_us_interval": step.as_list(1),
-                    "per_layer_added_us": round(layer.value, 1),
-                    "per_layer_added_us_interval": layer.as_list(1),
-                }
+                result[f"fit_{p}_batch_{b}"] = depth_fit(depths, p, b)
     if refusals:
         result["refused"] = refusals
     return result

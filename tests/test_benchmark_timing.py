@@ -292,6 +292,35 @@ def test_layer_fit_recovers_what_is_added_per_step_and_per_layer() -> None:
     assert (step.value, layer.value) == (pytest.approx(200.0), pytest.approx(25.0))
 
 
+def test_depth_fit_only_fits_depths_of_one_pacing() -> None:
+    """A shallow depth whose steps wait for the host (host lead < 0 in the AFD part's
+    timeline) is not fitted with deeper GPU-paced ones: the line would measure the host."""
+    from benchmarks.e2e_interleaved import depth_fit
+
+    def run(depth: int, added_ms: float, lead_ms: float | None) -> dict:
+        rows = {} if lead_ms is None else {"16": {"host_lead_ms": lead_ms}}
+        return {
+            "tpot_ms": {"colocated": {16: [1.0 * depth] * 5}, "afd": {16: [depth + added_ms] * 5}},
+            "timelines": {"afd": {"by_rows": rows}},
+        }
+
+    # 2 layers host-paced (its added time is the host's), 4 and 6 GPU-paced: 0.1 ms a step
+    # and 0.02 ms a layer from 4 and 6 alone.
+    depths = {2: run(2, 0.6, -0.9), 4: run(4, 0.18, 2.6), 6: run(6, 0.22, 2.4)}
+    fit = depth_fit(depths, "afd", 16)
+    assert fit["paced_by"] == {"2": "host", "4": "gpu", "6": "gpu"}
+    assert fit["left_out_depths"] == [2]
+    assert fit["per_step_added_us"] == pytest.approx(100.0)
+    assert fit["per_layer_added_us"] == pytest.approx(20.0)
+    # One depth of each pacing: nothing fitted, and the answer says what to run.
+    fit = depth_fit({2: depths[2], 4: depths[4]}, "afd", 16)
+    assert "per_step_added_us" not in fit and "deeper depths" in fit["not_fitted"]
+    # No timeline (the CPU runs): every depth is fitted.
+    fit = depth_fit({2: run(2, 0.14, None), 4: run(4, 0.18, None)}, "afd", 16)
+    assert fit["paced_by"] == {"2": "unknown", "4": "unknown"}
+    assert fit["per_layer_added_us"] == pytest.approx(20.0)
+
+
 def test_expected_distinct_experts_under_uniform_routing() -> None:
     from benchmarks.interleave import expected_distinct_experts
 

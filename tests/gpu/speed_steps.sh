@@ -28,7 +28,8 @@ for step in "$@"; do
       # Colocated and AFD up at once, interleaved per batch; one depth per call (the state
       # file keeps the others); E2E_ARGS e.g. "--depths 2,3 --cudagraph-mode FULL_DECODE_ONLY",
       # and "--part colocated,afd_dbo" or "--part afd,afd_dbo" for dual-batch overlap;
-      # "--experts 128 --depths 2,3,4" fits 4 layers of both engines on one H200.
+      # "--experts 128 --depths 2,3,4" fits 4 layers of both engines on one H200. The layer
+      # fit takes depths whose steps the GPU paces: on one H200 at --experts 64, 4 and 6.
       # shellcheck disable=SC2086
       timeout "${E2E_S:-560}" python3 "$ROOT/benchmarks/e2e_decode.py" --gpu --one-gpu \
         --interleave --one-depth-per-call --state "$OUT/e2e_il_state.json" \
