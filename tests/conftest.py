@@ -60,7 +60,8 @@ def colocated_serve(
 ) -> Callable[[Path], ColocatedAnswers]:
     """A colocated `vllm serve` of a model, started once per session (not per test or module:
     a start costs 25-40 s on 2 cores), asked every request of tests/colocated_serve.py, and
-    stopped as soon as it has answered, before the asking test starts its AFD servers."""
+    stopped as soon as it has answered, before the asking test starts its attention servers
+    (its FFN servers start beside it: once registered, they wait for those idle)."""
     from tests.colocated_serve import answers_of
     from vllm_ext.testing.procs import free_port, serve_argv, vllm_env, wait_http_ok
 

@@ -194,8 +194,6 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
       server join as a second FFN group; the client's balancer sends to both.
     - 1:1: the second attention server drains (/health 503, new requests refused "leaving",
       its own finished, `drained`), is retired and exits 0; so does the second FFN server."""
-    colocated = colocated_serve(tiny_model)
-    want = {**dict(zip(PROMPTS, colocated.each, strict=True)), LONG_KEY: colocated.long}
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
 
     def ffn(rank: int, log: str) -> Proc:
@@ -226,6 +224,9 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
         return proc, port
 
     ffn0 = ffn(0, "ffn-0.log")
+    # FFN rank 0 starts beside the colocated server (then waits for its attention rank).
+    colocated = colocated_serve(tiny_model)
+    want = {**dict(zip(PROMPTS, colocated.each, strict=True)), LONG_KEY: colocated.long}
     attention0, port0 = attention(0)
     wait_http_ok(f"http://127.0.0.1:{port0}/health", 240, attention0.popen)
 

@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 import urllib.error
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,13 +203,14 @@ def test_afd_1_attention_4_ffn_expert_parallel_matches_colocated(
 
 def start_dp2_expert_parallel(
     model: Path, num_ffn: int, start_daemon, procs: list[Proc], tmp_path: Path, *extra: str,
-    ffn_afd: dict[str, Any] | None = None,
+    ffn_afd: dict[str, Any] | None = None, while_ffns_start: Callable[[], Any] = lambda: None,
 ) -> tuple[Daemon, list[Proc], Proc, int]:  # fmt: skip
     """afd-ctl with --expert-parallel-size N, N FFN ranks and `vllm serve --data-parallel-size
     2` as the attention side: one FFN group that both attention ranks reach (without the flag,
     2:2 would be two 1:1 pairs). One API server, not vLLM's default of one per DP rank: a
-    process fewer on 2 cores (test_vllm_serve's Qwen3-MoE DP=2 case has one per rank). (The
-    daemon, FFN ranks, attention server, its port.)"""
+    process fewer on 2 cores (test_vllm_serve's Qwen3-MoE DP=2 case has one per rank).
+    `while_ffns_start` runs once the FFN ranks are started, before the attention server (the
+    FFN servers wait for it idle). (The daemon, FFN ranks, attention server, its port.)"""
     # Up to seven processes on the CI's 2 cores: a loaded 2-core machine can miss afd-ctl's 2 s
     # liveness bound (the PD tests saw it): a machine too small for the topology, not a fault.
     daemon = start_daemon(
@@ -216,6 +218,7 @@ def start_dp2_expert_parallel(
         "--expert-parallel-size", str(num_ffn), "--liveness-timeout-s", "10",
     )  # fmt: skip
     ffns = start_ffn_ranks(model, daemon, procs, tmp_path, num_ffn, **(ffn_afd or {}))
+    while_ffns_start()
     attention, port = start_attention_server(
         model, daemon, procs, tmp_path, "--data-parallel-size", "2", "--api-server-count", "1",
         *extra,
@@ -250,11 +253,16 @@ def test_losing_one_expert_parallel_ffn_rank_fails_steps_until_it_is_back(
     rank 1 killed: completions get 503 and /health turns 503; the same rank started again:
     /health 200, and the same tokens as before the loss."""
     model = tiny_models[3]
-    want = colocated_serve_reference(model, 3, procs, tmp_path)
+    # The colocated reference starts beside the FFN ranks, and is stopped before the
+    # attention server starts.
+    reference: list[list[list[int]]] = []
     daemon, ffns, attention, port = start_dp2_expert_parallel(
-        model, 2, start_daemon, procs, tmp_path
-    )
-    assert complete_each_or_say_why(port, model, attention) == want
+        model, 2, start_daemon, procs, tmp_path,
+        while_ffns_start=lambda: reference.append(
+            colocated_serve_reference(model, 3, procs, tmp_path)
+        ),
+    )  # fmt: skip
+    assert complete_each_or_say_why(port, model, attention) == reference[0]
     assert_shards(ffns, 2)
     health = f"http://127.0.0.1:{port}/health"
     url = f"http://127.0.0.1:{port}/v1/completions"

@@ -96,8 +96,6 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
     cleanly. (`vllm serve` 1:1 goes through the same seams: its servers start in
     test_vllm_failures, test_vllm_metrics and others.)"""
     tiny_model: Path = request.getfixturevalue(model_fixture)
-    want = colocated_serve(tiny_model)
-
     daemon = start_daemon("--expect-attention", "2", "--expect-ffn", "1")
     ffn_tmp = tmp_path / "ffn-tmp"
     ffn_tmp.mkdir()
@@ -106,6 +104,8 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
         vllm_env({"TMPDIR": str(ffn_tmp)}),
     )  # fmt: skip
     procs.append(ffn)
+    # The FFN server starts beside the colocated one (then waits for its attention ranks).
+    want = colocated_serve(tiny_model)
     port = free_port()
     attention = Proc(
         serve_argv(
