@@ -144,18 +144,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             pods.append(pod.start())
         cluster = Cluster(hosts, ctl, ffn, attention, str(models / Path(model_path).name), folder)
         started = time.monotonic()
-        attention.verdict("startup", True, timeout_s=300)
-        report(f"deployment started in {time.monotonic() - started:.1f} s")
         # The reference meanwhile: the same engine, colocated, on one host (this one).
-        out = subprocess.run(
+        reference = subprocess.Popen(
             # One prompt: served requests run one at a time, and a batch of several changes
             # the sums' order (a near-tie flips).
             offline_argv(cluster.model, "--max-tokens", str(MAX_TOKENS), "--prompts", "1"),
             env={**os.environ, **vllm_env()},
-            capture_output=True, text=True, timeout=300, check=False,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        assert out.returncode == 0, out.stderr[-3000:]
-        cluster.reference = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+        try:
+            attention.verdict("startup", True, timeout_s=300)
+            report(f"deployment started in {time.monotonic() - started:.1f} s")
+            out, err = reference.communicate(timeout=300)
+        finally:
+            reference.kill()
+        assert reference.returncode == 0, err[-3000:]
+        cluster.reference = json.loads(out.strip().splitlines()[-1])["results"]
         yield cluster
     finally:
         for pod in pods:
