@@ -294,7 +294,6 @@ def test_a_loss_only_the_ffn_data_plane_sees_heals_through_a_new_epoch(
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.line_independent
 # vLLM 0.32: on 0.26 that line's failed-step seams run in test_vllm_serve's DP=2 DeepSeek-V2
 # case, on the servers it starts anyway; attention DP=2 (the idle engine's dummy batches fail
 # too, both engines reconnect, each engine's worker in a process of its own) is also its
