@@ -8,9 +8,10 @@ B at one repeat, B, A at the next: benchmarks/interleave.py), so drift on a shar
 both alike. What is reported per depth and batch: both medians, the ratio AFD / colocated
 with its 95% bootstrap interval, and with two depths or more the fit of what AFD adds per step and
 per layer, each with its interval, over depths of one pacing (depth_fit: on one H200, 2 layers'
-steps wait for vLLM's host and 4 layers' for the GPU; fit 4 and 6 there). A ratio interval wider than `--interval-bound` (relative)
-first gets more repeats of its batch size alone (`--max-repeats`, within `--more-budget-s`:
-noise measured longer where it is, not everywhere), then refuses the run, naming it;
+steps wait for vLLM's host and 4 layers' for the GPU; fit 4 and 6 there). A ratio interval
+wider than `--interval-bound` (relative) first gets more repeats of its batch size alone
+(`--max-repeats`, within `--more-budget-s`: noise measured longer where it is, not everywhere),
+then refuses the run, naming it;
 everything else decode_runner refuses stays refused.
 
 `--part` picks the parts (default `colocated,afd`): `afd_dbo` is an AFD pair whose attention

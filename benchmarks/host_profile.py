@@ -150,7 +150,8 @@ def summarise(raw: str, wall_s: float, rate: int, top: int = TOP, taken: int = 0
                 inclusive[name] += n
             if _ours(calls):
                 ours += n
-                for name in {_frame_name(f) for f in calls if any(p in f for p in OURS)}:
+                mine = {nm for f, nm in zip(calls, names, strict=True) if any(p in f for p in OURS)}
+                for name in mine:
                     afd[name] += n
         near_all = {name for name, n in inclusive.items() if n >= 0.95 * total}
         threads_out.append(

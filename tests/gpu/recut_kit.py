@@ -64,8 +64,9 @@ def main() -> None:
             folder.rmdir()
     for folder in ("pa", "pb", "pc", "pd", "pe", "pf"):
         used = sum(f.stat().st_size for f in (kit / folder).iterdir())
-        fits = "" if used <= budget else f"  OVER the {budget / 2**20:.1f} MiB a call has left"
-        print(f"{folder}: {used / 2**20:.1f} MiB{fits}")
+        print(f"{folder}: {used / 2**20:.1f} MiB")
+        if used > budget:
+            raise SystemExit(f"{folder} is over the {budget / 2**20:.1f} MiB a transfer allows")
 
 
 if __name__ == "__main__":

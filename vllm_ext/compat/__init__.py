@@ -57,16 +57,13 @@ def check_supported() -> None:
         raise AfdUnsupportedVllm(unsupported_message(version))
 
 
-_SEAMS: list[ModuleType] = []  # the installed line's module, once checked
-
-
+@functools.cache
 def seams() -> ModuleType:
     """The compat module of the installed vLLM line (v0_26 or v0_32), checked at the first call
-    only: the runner asks for it several times a step, and the installed vLLM cannot change."""
-    if not _SEAMS:
-        check_supported()
-        _SEAMS.append(_line_module(vllm_line()))
-    return _SEAMS[0]
+    only (a refusal is not cached): the runner asks for it several times a step, and the
+    installed vLLM cannot change."""
+    check_supported()
+    return _line_module(vllm_line())
 
 
 @functools.cache
