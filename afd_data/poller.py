@@ -7,6 +7,11 @@ reaps the write queue's completed WRITEs. Peers awaited longer than ``probe_inte
 probe notification, so a dead process surfaces as a NIXL disconnect long before the bound. The
 first loss is kept in ``afd_data.loss``: every later wait raises it until the transport
 reconnects.
+
+A bound counts only time this process was polling: a gap between two polls longer than
+``STALL_GAP_S`` (the process frozen, swapped out or starved of the CPU) moves the deadline on
+by the gap, up to ``MAX_STALL_CREDIT_S`` in all, so a waiter that was itself stopped does not
+blame a peer whose answer arrived meanwhile (over TCP it arrives only once this process polls).
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from afd_data.peers import Peer
 from afd_data.poll import Backoff, tighten_timer_slack
 from afd_data.write_queue import WriteQueue
 
+# A gap between two polls longer than this is the waiter's own stall, not the peer's delay.
+STALL_GAP_S = 0.05
+# The most a wait's deadline moves on for the waiter's stalls: every wait still ends.
+MAX_STALL_CREDIT_S = 10.0
+
 
 class Poller:
     """Polls NIXL (notifications into ``inbox``, completions out of ``queue``) until
@@ -40,8 +50,10 @@ class Poller:
         inbox: Inbox,
         queue: WriteQueue,
         loss: Loss,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.name = name
+        self._clock = clock
         self._agent = agent
         self.config = config
         self.role_rank = role_rank
@@ -69,9 +81,13 @@ class Poller:
         on_timeout: Callable[[], AfdPeerLost],
         awaited: Callable[[], list[Peer]],
     ) -> None:
-        """Polls NIXL until ``ready()``; probes awaited peers; raises on_timeout() at the bound."""
-        now = time.monotonic()
+        """Polls NIXL until ``ready()``; probes awaited peers; raises on_timeout() at the bound
+        (counting only time this process was polling: see the module's docstring)."""
+        clock = self._clock
+        now = clock()
         deadline = now + timeout_s
+        credit = MAX_STALL_CREDIT_S
+        polled = now
         interval = self.config.probe_interval_s
         next_probe = now + interval
         backoff = self._backoff
@@ -85,7 +101,12 @@ class Poller:
                 return
             if self._loss.lost is not None:
                 raise self._loss.lost
-            now = time.monotonic()
+            now = clock()
+            if now - polled > STALL_GAP_S and credit > 0.0:
+                moved = min(now - polled, credit)
+                deadline += moved
+                credit -= moved
+            polled = now
             if now >= deadline:
                 raise on_timeout()
             if now >= next_probe:

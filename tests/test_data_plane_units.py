@@ -278,3 +278,54 @@ def test_a_loss_tells_its_listeners_once_per_epoch() -> None:
     loss.lost = None  # a reconnect (NixlTransport.connect) starts a new epoch
     loss.report("ffn:1", "ffn rank 1 was reported lost")
     assert heard == ["first", "first"]
+
+
+def test_a_waiter_that_was_itself_stopped_does_not_blame_its_peer() -> None:
+    """A bound counts only time the waiter polled: frozen (SIGSTOP) for 1.2 s inside a 0.5 s
+    wait, it still takes the answer that arrived meanwhile; a peer that never answers is still
+    lost, after the bound plus the stall; stalls move a deadline on by 10 s at most."""
+    from types import SimpleNamespace
+
+    from afd_data.config import TransportConfig
+    from afd_data.errors import AfdPeerLost
+    from afd_data.poller import MAX_STALL_CREDIT_S, Poller
+
+    def waited(stalls: list[float], answer_after: int | None) -> tuple[bool, float]:
+        """(answered, waited s on the clock): each poll advances the clock 1 ms plus the
+        next stall; the answer is there from poll `answer_after` on."""
+        now = [0.0]
+        polls = [0]
+
+        def clock() -> float:
+            return now[0]
+
+        def poll() -> dict:
+            polls[0] += 1
+            now[0] += 0.001 + (stalls.pop(0) if stalls else 0.0)
+            return {}
+
+        agent = SimpleNamespace(get_new_notifs=poll)
+        poller = Poller(
+            "unit", agent, TransportConfig(8, 8, poll_spin_us=1e9, probe_interval_s=1e9), 0,
+            SimpleNamespace(absorb_all=None), SimpleNamespace(inflight=[]),  # type: ignore[arg-type]
+            SimpleNamespace(lost=None), clock,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+        def lost() -> AfdPeerLost:
+            return AfdPeerLost("the peer sent nothing within 0.5 s")
+
+        try:
+            poller.wait(lambda: answer_after is not None and polls[0] >= answer_after, 0.5, lost,
+                        lambda: [])  # fmt: skip
+        except AfdPeerLost:
+            return False, now[0]
+        return True, now[0]
+
+    # Frozen 1.2 s at the 100th poll; the answer is there at the next poll.
+    assert waited([0.0] * 99 + [1.2], 101)[0]
+    # The peer never answers: lost once the bound has passed outside the stall.
+    answered, at = waited([0.0] * 99 + [1.2], None)
+    assert not answered and 1.7 <= at < 1.8
+    # A waiter that stalls on every poll still gives up: 0.5 s plus at most the credit.
+    answered, at = waited([0.3] * 1000, None)
+    assert not answered and at <= 0.5 + MAX_STALL_CREDIT_S + 0.31

@@ -308,6 +308,8 @@ def test_ffn_kill_fails_the_request_and_attention_recovers(
     attention server's own, gone once it stops; the stop ends the new FFN server cleanly."""
     pair = short_bound_pair
     servers = pair.servers
+    # Serving first: a failure above must not show up here as a stream that fails at once.
+    assert answered_again(servers) == servers.before
     ffn2 = ffn_kill_fails_the_request_then_recovers(
         servers, tiny_model, pair.ffn_tmp, pair.procs, pair.root
     )
