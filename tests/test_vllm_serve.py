@@ -48,54 +48,87 @@ def tiny_model(tiny_v2: Path) -> Path:
     return tiny_v2
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
-
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
-
-
 def afd_ctl(*args: str) -> str:
     out = subprocess.run([bin_path("afd-ctl"), *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
 
-# Each line runs one DP=2 case, and on it the FFN kill (the failed-step seams of that line):
-# vLLM 0.26 the DeepSeek-V2 one (the model of its every `vllm serve` test); 0.32 the Qwen3-MoE
-# one (DeepSeek's MLA under DP=2 with one API server runs on 0.32 in test_vllm_expert_parallel's
-# rank loss, and DP=1's failed step in test_vllm_failures). A DP=2 case is a start of four
-# vLLM processes and a colocated `vllm serve`: 60-100 s of the 2 cores.
+# Each line runs one attention DP=2 case, and on it an FFN kill (the failed-step seams of that
+# line): vLLM 0.26 DeepSeek-V2 to one FFN server (below; the model of its every `vllm serve`
+# test), 0.32 DeepSeek-V3 to an expert-parallel group of two FFN ranks
+# (test_vllm_expert_parallel: MLA, grouped routing and expert parallelism under DP=2 on one
+# start). A DP=2 case is a start of four or more vLLM processes and a colocated `vllm serve`:
+# 60-100 s of the 2 cores.
 ON_026 = compat.vllm_line() == "0.26"
 
 
+def dp2_serves_like_colocated(
+    daemon, ffn: Proc, attention: Proc, port: int, model: Path, want: ColocatedAnswers,
+    num_ffn: int,
+) -> AfdServers:  # fmt: skip
+    """On healthy servers of attention DP=2 (`vllm serve --data-parallel-size 2`, both ranks
+    reaching every FFN server): afd-ctl reports both roles registered; completions (each
+    prompt alone in its batch) and a chat give the colocated server's text, afd-ctl relaying a
+    step per token; both attention ranks send every step (the idle one a dummy batch) and the
+    payloads' tap shows the real per-rank counts. The servers, for an FFN kill of `ffn`."""
+    status = json.loads(afd_ctl("status", "--controller", daemon.address, "--json"))
+    assert status["health"] == "SERVING"
+    roles = {r["role"]: r["registered"] for r in status["roles"]}
+    assert roles == {"ATTENTION": 2, "FFN": num_ffn}, roles
+    steps_before = int(status.get("steps_relayed", 0))
+
+    assert complete_each(port, model) == want.each
+    got = ask(port, model)
+    assert got == want.ask, f"AFD {got!r} != colocated {want.ask!r}"
+
+    status = json.loads(afd_ctl("status", "--controller", daemon.address, "--json"))
+    steps_after = int(status["steps_relayed"])
+    assert steps_after >= steps_before + COMPLETION["max_tokens"], (steps_before, steps_after)
+
+    # The tap subscribes a moment after it starts: requests, one at a time, until it has seen
+    # its 30 payloads (each request runs on one rank while the other runs dummy batches).
+    tap = subprocess.Popen(
+        [bin_path("afd-ctl"), "watch", "--controller", daemon.address, "--payloads", "--json",
+         "--count", "30"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": str(model), "prompt": PROMPTS[0], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while tap.poll() is None and time.monotonic() < deadline:
+            post_json(url, body)
+        out, _ = tap.communicate(timeout=10)
+    finally:
+        tap.kill()
+    payloads = [e["payload"] for e in map(json.loads, out.splitlines()) if "payload" in e]
+    assert payloads and all("0" in p["stages"] for p in payloads), out
+    counts = [p["stages"]["0"]["num_tokens_across_dp"] for p in payloads]
+    assert all(len(c) == 2 for c in counts), counts
+    # A request runs on one rank while the other runs a dummy batch: the counts differ.
+    assert any(c[0] != c[1] for c in counts), counts
+
+    health = f"http://127.0.0.1:{port}/health"
+    each = {**EACH, "model": str(model), "prompt": PROMPTS[0]}
+    return AfdServers(daemon, ffn, attention, health, url, each, want.each[0])
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "model_fixture",
-    [
-        pytest.param("tiny_model", id="tiny_model", marks=[
-            pytest.mark.both_lines,
-            pytest.mark.skipif(not ON_026, reason="vLLM 0.26's DP=2 case (0.32's: tiny_qwen3_moe)"),
-        ]),
-        pytest.param("tiny_qwen3_moe", marks=pytest.mark.line_independent, id="tiny_qwen3_moe"),
-    ],
-)  # fmt: skip
+@pytest.mark.both_lines
+@pytest.mark.skipif(not ON_026, reason="vLLM 0.26's DP=2 case (0.32's: test_vllm_expert_parallel)")
 def test_attention_dp2_to_one_ffn_matches_colocated(
-    model_fixture: str, request: pytest.FixtureRequest,
-    colocated_serve: Callable[[Path], ColocatedAnswers], start_daemon, procs: list[Proc],
-    tmp_path: Path,
+    tiny_model: Path, colocated_serve: Callable[[Path], ColocatedAnswers], start_daemon,
+    procs: list[Proc], tmp_path: Path,
 ) -> None:  # fmt: skip
     """Attention DP=2 (`vllm serve --data-parallel-size 2`) : 1 FFN, DeepSeek-V2 on vLLM 0.26
-    and Qwen3-MoE on 0.32 (ON_026 says why): completions (each prompt alone in its batch) and a
-    chat with the colocated server's text, afd-ctl relaying a step per token. Both attention
-    ranks send every step (the idle one a dummy batch); the payloads' tap shows the real
-    per-rank counts. An API server per DP rank (vLLM's default; the afd section folded into the
-    args vLLM hands them: hooks.serve_cmd). Then the FFN server is lost (kill -9) mid-request:
-    the 503, /health, the idle engine's dummy batches failing too, both engines reconnecting to
-    a new FFN server, the same answers. Stopping the attention server makes the FFN server exit
-    cleanly. (`vllm serve` 1:1 goes through the same seams: its servers start in
-    test_vllm_failures, test_vllm_metrics and others.)"""
-    tiny_model: Path = request.getfixturevalue(model_fixture)
+    (ON_026 says why): dp2_serves_like_colocated, with an API server per DP rank (vLLM's
+    default; the afd section folded into the args vLLM hands them: hooks.serve_cmd). Then the
+    FFN server is lost (kill -9) mid-request: the 503, /health, the idle engine's dummy batches
+    failing too, both engines reconnecting to a new FFN server, the same answers. Stopping the
+    attention server makes the FFN server exit cleanly. (`vllm serve` 1:1 goes through the
+    same seams: its servers start in test_vllm_failures, test_vllm_metrics and others.)"""
     daemon = start_daemon("--expect-attention", "2", "--expect-ffn", "1")
     ffn_tmp = tmp_path / "ffn-tmp"
     ffn_tmp.mkdir()
@@ -118,46 +151,7 @@ def test_attention_dp2_to_one_ffn_matches_colocated(
     procs.append(attention)
     wait_http_ok(f"http://127.0.0.1:{port}/health", 240, attention.popen)
 
-    status = json.loads(afd_ctl("status", "--controller", daemon.address, "--json"))
-    assert status["health"] == "SERVING"
-    assert {r["role"]: r["registered"] for r in status["roles"]} == {"ATTENTION": 2, "FFN": 1}
-    steps_before = int(status.get("steps_relayed", 0))
-
-    assert complete_each(port, tiny_model) == want.each
-    got = ask(port, tiny_model)
-    assert got == want.ask, f"AFD {got!r} != colocated {want.ask!r}"
-
-    status = json.loads(afd_ctl("status", "--controller", daemon.address, "--json"))
-    steps_after = int(status["steps_relayed"])
-    assert steps_after >= steps_before + COMPLETION["max_tokens"], (steps_before, steps_after)
-
-    # The tap subscribes a moment after it starts: requests, one at a time, until it has seen
-    # its 30 payloads (each request runs on one rank while the other runs dummy batches).
-    tap = subprocess.Popen(
-        [bin_path("afd-ctl"), "watch", "--controller", daemon.address, "--payloads", "--json",
-         "--count", "30"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    body = {"model": str(tiny_model), "prompt": PROMPTS[0], "max_tokens": 12,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while tap.poll() is None and time.monotonic() < deadline:
-            post_json(url, body)
-        out, _ = tap.communicate(timeout=10)
-    finally:
-        tap.kill()
-    payloads = [e["payload"] for e in map(json.loads, out.splitlines()) if "payload" in e]
-    assert payloads and all("0" in p["stages"] for p in payloads), out
-    counts = [p["stages"]["0"]["num_tokens_across_dp"] for p in payloads]
-    assert all(len(c) == 2 for c in counts), counts
-    # A request runs on one rank while the other runs a dummy batch: the counts differ.
-    assert any(c[0] != c[1] for c in counts), counts
-
-    health = f"http://127.0.0.1:{port}/health"
-    each = {**EACH, "model": str(tiny_model), "prompt": PROMPTS[0]}
-    servers = AfdServers(daemon, ffn, attention, health, url, each, want.each[0])
+    servers = dp2_serves_like_colocated(daemon, ffn, attention, port, tiny_model, want, 1)
     ffn = ffn_kill_fails_the_request_then_recovers(
         servers, tiny_model, ffn_tmp, procs, tmp_path, dp=2
     )
