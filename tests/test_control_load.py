@@ -1,4 +1,7 @@
-"""A bounded load test: 8 attention publishers and 8 FFN subscribers at 200 steps/s for 30 s."""
+"""A bounded load test: 8 attention publishers and 8 FFN subscribers at 200 steps/s for 10 s
+(16,000 payloads published, 16,000 delivered, each subscriber's in order; 30 s until
+2026-12-06 cost 20 s of the suite and showed nothing 10 s does not: the daemon's queues stay
+empty at this rate, or fill within the first seconds)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from tests.procs import sim_worker
 
 WORKERS = 8
 RATE_HZ = 200
-DURATION_S = 30
+DURATION_S = 10
 STEPS = RATE_HZ * DURATION_S
 
 

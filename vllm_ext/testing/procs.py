@@ -95,7 +95,7 @@ def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
                     return
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)  # a refused connection costs nothing; a start is seen 0.2 s sooner
     raise AssertionError(f"{url} not healthy within {timeout_s} s")
 
 
@@ -107,12 +107,42 @@ def post_json(url: str, body: dict, timeout_s: float = 60) -> dict:
         return json.loads(r.read())
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port nothing listens on, for a server started next. Below the kernel's ephemeral range:
+    a port from bind(0) is one an outgoing connection (a gRPC client, a UCX endpoint) may take
+    before the server binds it ("Address already in use", seen in a run of the suite). Random,
+    and never the same twice in one process, so servers started side by side do not collide."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    high = min(_ephemeral_low(), 32768) - 1
+    if high <= 20000:  # an unusual range: the kernel's pick, as before
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(1000):
+        port = random.randint(20000, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in 20000-{high} after 1000 tries")
 
 
 def environ_with(env: dict[str, str]) -> dict[str, str]:
