@@ -40,10 +40,25 @@ def test_vllm_serve_with_mtls_and_a_token(
     }
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    started: list[Proc] = []
+
+    def secured_daemon(*args: str):
+        daemon = start_daemon(*args, *secured)
+        # A wrong token: an FFN server that starts beside the pair (its start is a core's
+        # work for ~10 s, the pair's leaves one idle) is refused at registration and stops.
+        started.append(
+            Proc(
+                ffn_argv(tiny_model, daemon.address), tmp_path / "ffn-wrong-token.log",
+                vllm_env({**tls_env, "AFD_CTL_AUTH_TOKEN": "not-the-token"}),
+            )
+        )  # fmt: skip
+        procs.extend(started)
+        return daemon
+
     # The FFN server reads the token from a file, the attention server from the environment.
     servers = start_afd_servers(
         tiny_model,
-        lambda *args: start_daemon(*args, *secured),
+        secured_daemon,
         procs,
         tmp_path,
         ffn_env={**tls_env, "AFD_AUTH_TOKEN_FILE": str(token_file)},
@@ -52,13 +67,8 @@ def test_vllm_serve_with_mtls_and_a_token(
     assert servers.before  # a completion ran through the secured daemon
     assert post_json(servers.url, servers.body)["choices"][0]["text"] == servers.before
 
-    # A wrong token: the server stops at start and says why.
-    wrong = Proc(
-        ffn_argv(tiny_model, servers.daemon.address),
-        tmp_path / "ffn-wrong-token.log",
-        vllm_env({**tls_env, "AFD_CTL_AUTH_TOKEN": "not-the-token"}),
-    )
-    procs.append(wrong)
+    # The wrong token's server stopped at start and said why.
+    (wrong,) = started
     assert wrong.wait(180) != 0, wrong.tail()
     log = wrong.log()
     assert "refused this worker: UNAUTHENTICATED" in log, wrong.tail()
