@@ -112,6 +112,7 @@ class Poller:
             if now >= next_probe:
                 self.probe(awaited())
                 next_probe = now + interval
+                polled = clock()  # time in a probe of the awaited peer is not this process's stall
             backoff.pause(now)
 
     def await_arrivals(

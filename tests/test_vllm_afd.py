@@ -140,8 +140,8 @@ def test_router_gate_on_the_attention_side_matches_colocated(
     (DeepSeek-V3: sigmoid scores, grouped top-k and the correction bias stay on the FFN side;
     Qwen3-MoE, in the split test below: softmax top-k with norm_topk_prob on the FFN side). The
     profiler and direct payloads on too. (The default gate, on the FFN side: DeepSeek-V2 in
-    the slow-attention test below, V3 in the expert-parallel tests, Qwen3-MoE in
-    test_vllm_serve's DP=2 and, on 0.26, the split test below.)"""
+    the slow-attention test below, V3 in the expert-parallel DP=2 test, Qwen3-MoE in the
+    expert-parallel 1:4 test and, on 0.26, the split test below.)"""
     model = tiny_models[version]
     reference = colocated_reference(tiny_models, version, tmp_path)
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
@@ -221,7 +221,8 @@ def test_ffn_server_waits_for_a_slow_attention_side(
 
 def gate_of_the_split(version: Version) -> str:
     """On vLLM 0.32 Qwen3-MoE's gate is on the attention side (a 1:1 run less; its default gate
-    runs there in test_vllm_serve's DP=2); on 0.26 the default (its one such Qwen3-MoE run)."""
+    runs there in test_vllm_expert_parallel's 1:4); on 0.26 the default (its one such
+    Qwen3-MoE run)."""
     from vllm_ext import compat
 
     return "attention" if version == "qwen3" and compat.vllm_line() == "0.32" else "ffn"

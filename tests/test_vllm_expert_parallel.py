@@ -10,12 +10,13 @@ only its slice of the routed experts (shared experts and dense MLPs on rank 0 of
   seven vLLM processes on 2 cores took 111 s (a third of this module) and needed 60 s step
   bounds.
 - 2:2 is also vLLM 0.32's attention DP=2 `vllm serve` case (test_vllm_serve's checks on it),
-  and losing one FFN rank of its group fails every step until it is back: one start of six
+  and losing one FFN rank of its group fails every step until it is back: one start of eight
   vLLM processes for all three.
 
-The end-to-end tests start up to 6 vLLM processes on a 2-core machine: they use the tiny
-DeepSeek-V3 (a dense first layer and a shared expert), short generations, and one colocated
-reference per model and kind of runner.
+The end-to-end tests start up to 8 vLLM processes on a 2-core machine (the DP=2 case: two API
+servers, two engine cores and their two workers, two FFN ranks): they use the tiny DeepSeek-V3
+(a dense first layer and a shared expert; DP=2) and Qwen3-MoE (1:4), short generations, and
+one colocated reference per model and kind of runner.
 """
 
 from __future__ import annotations
@@ -245,3 +246,4 @@ def test_dp2_serve_to_an_expert_parallel_group_matches_colocated_and_loses_a_ran
     assert attention.wait(60) == 0, attention.tail()
     for ffn in (ffns[0], again):
         assert ffn.wait(60) == 0, ffn.tail()
+        assert "the attention side sent stop" in ffn.log(), ffn.tail()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -108,6 +109,7 @@ def post_json(url: str, body: dict, timeout_s: float = 60) -> dict:
 
 
 _HANDED_OUT: set[int] = set()
+_PORTS_RANDOM = random.SystemRandom()
 
 
 def _ephemeral_low() -> int:
@@ -123,16 +125,19 @@ def free_port() -> int:
     a port from bind(0) is one an outgoing connection (a gRPC client, a UCX endpoint) may take
     before the server binds it ("Address already in use", seen in a run of the suite). Random,
     and never the same twice in one process, so servers started side by side do not collide."""
-    import random
     import socket
 
     high = min(_ephemeral_low(), 32768) - 1
     if high <= 20000:  # an unusual range: the kernel's pick, as before
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+            port = s.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
     for _ in range(1000):
-        port = random.randint(20000, high)
+        # The OS's randomness: a test seeding Python's `random` must not make two processes
+        # (pytest-xdist workers) draw the same ports.
+        port = _PORTS_RANDOM.randint(20000, high)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
