@@ -60,13 +60,25 @@ def ffn_rank_config(rank: int, **afd: Any) -> list[str]:
     return ["--additional-config", json.dumps({"afd": {"ffn_rank": rank, **afd}})]
 
 
+def ffn_tmp(tmp_path: Path, rank: int) -> Path:
+    """FFN rank `rank`'s TMPDIR (start_ffn_ranks'): its file store's folder."""
+    return tmp_path / f"ffn-{rank}-tmp"
+
+
 def start_ffn_ranks(
     model: Path, daemon, procs: list[Proc], tmp_path: Path, count: int, **afd: Any
 ) -> list[Proc]:  # fmt: skip
-    return [
-        start_ffn(model, daemon, procs, tmp_path / f"ffn-{r}.log", *ffn_rank_config(r, **afd))
-        for r in range(count)
-    ]
+    """FFN ranks 0 to count - 1, each with a TMPDIR of its own (ffn_tmp)."""
+    ffns = []
+    for rank in range(count):
+        ffn_tmp(tmp_path, rank).mkdir()
+        ffns.append(
+            start_ffn(
+                model, daemon, procs, tmp_path / f"ffn-{rank}.log", *ffn_rank_config(rank, **afd),
+                env={"TMPDIR": str(ffn_tmp(tmp_path, rank))},
+            )
+        )  # fmt: skip
+    return ffns
 
 
 def assert_shards(ffns: list[Proc], count: int) -> None:
@@ -165,18 +177,13 @@ def test_afd_1_attention_4_ffn_expert_parallel_matches_colocated(
     assert_shards(ffns, 4)
 
 
-def ffn_tmp(tmp_path: Path, rank: int) -> Path:
-    """FFN rank `rank`'s TMPDIR (start_dp2_expert_parallel's): its file store's folder."""
-    return tmp_path / f"ffn-{rank}-tmp"
-
-
 def start_dp2_expert_parallel(
     model: Path, num_ffn: int, start_daemon, procs: list[Proc], tmp_path: Path,
     while_ffns_start: Callable[[], Any] = lambda: None,
 ) -> tuple[Daemon, list[Proc], Proc, int]:  # fmt: skip
-    """afd-ctl with --expert-parallel-size N, N FFN ranks (each with a TMPDIR of its own,
-    ffn_tmp) and `vllm serve --data-parallel-size 2` as the attention side, with vLLM's
-    default API servers (one per DP rank): one FFN group that both attention ranks reach
+    """afd-ctl with --expert-parallel-size N, N FFN ranks (start_ffn_ranks) and `vllm serve
+    --data-parallel-size 2` as the attention side, with vLLM's default API servers (one per DP
+    rank): one FFN group that both attention ranks reach
     (without the flag, 2:2 would be two 1:1 pairs). `while_ffns_start` runs once the FFN ranks
     are started, before the attention server (the FFN servers wait for it idle). (The daemon,
     FFN ranks, attention server, its port.)"""
@@ -186,15 +193,7 @@ def start_dp2_expert_parallel(
         "--expect-attention", "2", "--expect-ffn", str(num_ffn),
         "--expert-parallel-size", str(num_ffn), "--liveness-timeout-s", "10",
     )  # fmt: skip
-    ffns = []
-    for rank in range(num_ffn):
-        ffn_tmp(tmp_path, rank).mkdir()
-        ffns.append(
-            start_ffn(
-                model, daemon, procs, tmp_path / f"ffn-{rank}.log", *ffn_rank_config(rank),
-                env={"TMPDIR": str(ffn_tmp(tmp_path, rank))},
-            )
-        )  # fmt: skip
+    ffns = start_ffn_ranks(model, daemon, procs, tmp_path, num_ffn)
     while_ffns_start()
     attention, port = start_attention_server(
         model, daemon, procs, tmp_path, "--data-parallel-size", "2"

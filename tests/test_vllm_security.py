@@ -52,7 +52,7 @@ def test_vllm_serve_with_mtls_and_a_token(
                 vllm_env({**tls_env, "AFD_CTL_AUTH_TOKEN": "not-the-token"}),
             )
         )  # fmt: skip
-        procs.extend(started)
+        procs.append(started[-1])
         return daemon
 
     # The FFN server reads the token from a file, the attention server from the environment.
