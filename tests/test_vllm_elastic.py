@@ -285,12 +285,24 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
         client.wait_answers_since(time.monotonic(), 1, 60)
         url1 = f"http://127.0.0.1:{port1}/v1/completions"
         stream, first = stream_first_event(url1, {**LONG, "model": str(tiny_model), "stream": True})
+        # Asked first on its own (its answer says whether the change started), then followed.
+        asked = scale(daemon, 1, 1)
+        assert asked.returncode == 0 and "moving to 1:1" in asked.stdout, asked
         back_proc = subprocess.Popen(
             [bin_path("afd-ctl"), "scale", "--attention", "1", "--ffn", "1", "--wait-s", "180",
              "--controller", daemon.address],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        wait_status(f"http://127.0.0.1:{port1}/health", 503, 30)
+        try:
+            wait_status(f"http://127.0.0.1:{port1}/health", 503, 30)
+        except AssertionError as exc:  # say why: what scale answered, what rank 1 logged
+            back_proc.kill()
+            out, err = back_proc.communicate(timeout=30)
+            afd_lines = [line for line in attention1.log().splitlines() if "afd" in line]
+            raise AssertionError(
+                f"{exc}; afd-ctl scale said {out!r} {err!r}; afd-ctl status: "
+                f"{status(daemon)}; attention rank 1's afd lines: {afd_lines[-15:]}"
+            ) from None
         refused = post_error(url1, {**BODY, "model": str(tiny_model), "prompt": PROMPTS[0]})
         assert refused[0] == 503 and "is leaving" in refused[1], refused
         events = first + read_events(stream)
