@@ -61,7 +61,7 @@ def ffn_rank_config(rank: int, **afd: Any) -> list[str]:
 
 
 def ffn_tmp(tmp_path: Path, rank: int) -> Path:
-    """FFN rank `rank`'s TMPDIR (start_ffn_ranks'): its file store's folder."""
+    """FFN rank `rank`'s TMPDIR (start_ffn_ranks'), which a killed rank leaves empty."""
     return tmp_path / f"ffn-{rank}-tmp"
 
 

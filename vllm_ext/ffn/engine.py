@@ -9,9 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,12 +19,6 @@ from vllm_ext import compat
 from vllm_ext.ffn.stack import ExpertShard, FfnStack, finalize_ffn_stack, load_ffn_stack
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FfnEngine:
@@ -133,17 +124,9 @@ def warm_up(engine: FfnEngine, plane: Any, who: str) -> int:
 
 
 def _init_one_rank_world(vllm_config: Any) -> None:
-    """vLLM's parallel groups for a world of one (gloo on CPU), as a worker would set them up."""
-    seams = compat.seams()
+    """vLLM's parallel groups for a world of one (gloo on CPU, NCCL on GPU), as a worker would
+    set them up. Its rendezvous store is a TCP store on a port the kernel picks as it binds
+    (port 0): no file to leave behind if the server is killed, and no port chosen first and
+    bound later, which another process could take in between."""
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    if seams.on_cpu():
-        # The file store lives in a folder of our own, removed once the world of one is set up
-        # (its groups are made then; nothing reads the store later), so a server killed with
-        # -9 leaves nothing in /tmp.
-        folder = tempfile.mkdtemp(prefix="afd-ffn-dist-")
-        try:
-            seams.init_one_rank_world(vllm_config, f"file://{folder}/store")
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        return
-    seams.init_one_rank_world(vllm_config, f"tcp://127.0.0.1:{_free_port()}")
+    compat.seams().init_one_rank_world(vllm_config, "tcp://127.0.0.1:0")
