@@ -8,6 +8,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import grpc
+
 from afd_ctl.cli_text import topology_label
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
 from afd_ctl.wire import enum_name
@@ -43,28 +45,72 @@ def add_scale_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=0.0,
         metavar="S",
         help="wait up to S seconds for the new epoch (exit 3 if it has not come, or the "
-        "change was given up); 0: return at once",
+        "change was given up), asking again while the daemon does not answer within "
+        "--timeout; 0: ask once and return",
     )
     return scale
+
+
+def unanswered(exc: grpc.RpcError) -> bool:
+    """The daemon took the call or the connection but did not answer in time (a daemon whose
+    event loop is held accepts TCP connections and never sends HTTP/2's SETTINGS); not an
+    address where nothing listens, or that does not resolve."""
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    return code == grpc.StatusCode.UNAVAILABLE and "timed out" in (exc.details() or "")
+
+
+def ask_scale(
+    stub: afd_pb2_grpc.AFDInspectStub,
+    args: argparse.Namespace,
+    metadata: Sequence[tuple[str, str]],
+    deadline: float,
+) -> tuple[afd_pb2.ScaleResponse, bool]:
+    """The Scale call and whether it was asked more than once. With --wait-s it is asked again
+    until `deadline` while the daemon does not answer within --timeout (`unanswered`: a busy
+    or starved daemon drops a call whose deadline passes before it runs it). Asking again is
+    safe: the same target answers "already moving to ..." (or "nothing to change" once it
+    landed) and never starts a second change."""
+    request = afd_pb2.ScaleRequest(
+        attention=args.attention,
+        ffn=args.ffn,
+        expert_parallel_size=args.expert_parallel_size,
+        reason=args.reason,
+    )
+    asked_again = False
+    while True:
+        try:
+            # Asked again, it waits for the connection (up to --timeout) instead of failing at
+            # once while the channel backs off from the unanswered attempt.
+            reply = stub.Scale(
+                request, timeout=args.timeout, metadata=metadata, wait_for_ready=asked_again
+            )
+            return reply, asked_again
+        except grpc.RpcError as exc:
+            if not unanswered(exc) or time.monotonic() + args.timeout > deadline:
+                raise
+            print(
+                f"afd-ctl scale: the daemon did not answer ({exc.code().name}); asking again "
+                "until --wait-s runs out",
+                file=sys.stderr,
+            )
+            asked_again = True
 
 
 def run_scale(
     stub: afd_pb2_grpc.AFDInspectStub, args: argparse.Namespace, metadata: Sequence[tuple[str, str]]
 ) -> int:
-    reply = stub.Scale(
-        afd_pb2.ScaleRequest(
-            attention=args.attention,
-            ffn=args.ffn,
-            expert_parallel_size=args.expert_parallel_size,
-            reason=args.reason,
-        ),
-        timeout=args.timeout,
-        metadata=metadata,
-    )
+    deadline = time.monotonic() + args.wait_s
+    reply, asked_again = ask_scale(stub, args, metadata, deadline)
     print(f"{topology_label(reply.current)}: {reply.message}")
+    if asked_again and not reply.HasField("target"):
+        # The unanswered call may have started the change, which landed before this one:
+        # say how it went.
+        status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=args.timeout, metadata=metadata)
+        print(status.last_change)
     if not reply.HasField("target") or args.wait_s <= 0:
         return 0
-    deadline = time.monotonic() + args.wait_s
     said = ""
     while time.monotonic() < deadline:
         status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=args.timeout, metadata=metadata)

@@ -45,6 +45,8 @@ MAX_MESSAGE_BYTES = 4 << 20
 # because a worker is missing ("" and the API's services say whether the set is complete).
 LIVENESS_SERVICE = "liveness"
 TICK_S = 0.1
+# A tick this much late is said in the log (loop_stall).
+LOOP_STALL_S = 1.0
 
 
 def remove_stale_socket(path: Path) -> None:
@@ -57,6 +59,18 @@ def remove_stale_socket(path: Path) -> None:
     if not stat.S_ISSOCK(mode):
         raise OSError(f"cannot listen on unix:{path}: it exists and is not a socket")
     path.unlink()
+
+
+def loop_stall(slept_s: float) -> str | None:
+    """What to say when a TICK_S sleep took `slept_s` (None: nothing, it ran about on time)."""
+    late = slept_s - TICK_S
+    if late < LOOP_STALL_S:
+        return None
+    return (
+        f"the daemon's event loop was held for {late:.1f} s (a busy or starved host, or "
+        "swapping): every call to the daemon waited that long, and calls with a shorter "
+        "deadline went unanswered"
+    )
 
 
 class ControllerServer:
@@ -125,7 +139,7 @@ class ControllerServer:
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.controller.health_listeners.append(self._health_updates.put_nowait)
         self._health_task = asyncio.get_running_loop().create_task(self._apply_health(applied))
-        self._tick_task = asyncio.get_running_loop().create_task(self._tick())
+        self._tick_task = asyncio.get_running_loop().create_task(self._tick(time.monotonic()))
         await server.start()
         log.info(
             "afd-ctl listening on %s (tls=%s, token=%s); expecting %d attention, %d ffn; "
@@ -187,10 +201,17 @@ class ControllerServer:
             await self._set_health(status)
             applied = status
 
-    async def _tick(self) -> None:
-        """Bounds a planned change's fence (issue 37): the controller has no clock of its own."""
+    async def _tick(self, last: float) -> None:
+        """Bounds a planned change's fence (issue 37): the controller has no clock of its own.
+        Says when the event loop was held (loop_stall), counted from `last`, the time the task
+        was made (a stall before its first turn counts too)."""
         while True:
             await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            stall = loop_stall(now - last)
+            if stall:
+                log.warning("%s", stall)
+            last = now
             self.controller.scaling.tick()
 
     def request_stop(self, reason: str) -> int:

@@ -37,6 +37,7 @@ HEARTBEAT = afd_pb2.SessionMessage(heartbeat=afd_pb2.Heartbeat())
 # Registrations refused when they open, rate-limited: anyone who can reach the port can
 # send them as fast as they like.
 REGISTRATION_REFUSED = RateLimitedLog(log, "registration refused")
+SCALE_REFUSED = RateLimitedLog(log, "scale refused")
 TRACE_POLL_S = 0.05
 # Session messages besides register, heartbeat and leave: timings and spans (issue 26), a
 # leaving worker's `drained` and an attention worker's `fenced` (issue 37).
@@ -261,6 +262,10 @@ class InspectServicer(afd_pb2_grpc.AFDInspectServicer):
         try:
             message = self.controller.scale(r.attention, r.ffn, r.expert_parallel_size, reason)
         except ControlError as error:
+            # In the daemon's log too: the asker may not show what it was told.
+            SCALE_REFUSED.warn(
+                f"to {r.attention}:{r.ffn} from {context.peer()}: {error.code}: {error.message}"
+            )
             await abort(context, error)
             raise  # abort raises; this line is for the type checker
         return scale_reply(self.controller, message)

@@ -11,6 +11,7 @@ worker of a fixed size is refused, tests/test_control_scaling.py)."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -127,6 +128,7 @@ def test_sim_workers_follow_scale_from_1_1_to_2_1_2_2_1_2_and_back(start_daemon,
     assert "FAILED_PRECONDITION: a change to 2:2 (2 ffn groups of 1) is in progress" in (
         refused.stderr
     )
+    daemon.wait_for(r"scale refused: to 1:2 from .*: FAILED_PRECONDITION: a change to 2:2", 5)
     text = cli(daemon, "status").stdout
     assert (
         "target      2:2 (2 ffn groups of 1): gather" in text and "waiting for ffn rank 1" in text
@@ -183,3 +185,31 @@ def test_sim_workers_follow_scale_from_1_1_to_2_1_2_2_1_2_and_back(start_daemon,
     print("hold at each change (ms):", {k: round(v * 1e3, 1) for k, v in pauses.items()})
     assert all(0 < pause < 5 for pause in pauses.values()), pauses
     assert re.search(r"epochs", str(attention0)) and len(attention0["epochs"]) >= 5
+
+
+def test_a_scale_the_frozen_daemon_never_answered_is_asked_again_and_the_stall_logged(
+    start_daemon, tmp_path
+):
+    """A daemon that cannot run calls for a while (frozen here; on a host, starved or
+    swapping) drops a Scale whose deadline passes first, unanswered. With --wait-s the CLI asks
+    again until it is answered (the same target never starts a second change), and the daemon's
+    log says how long its event loop was held."""
+    daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
+    daemon.signal(signal.SIGSTOP)
+    try:
+        asking = subprocess.Popen(
+            [sys.executable, "-m", "afd_ctl.cli", "scale", "--attention", "1", "--ffn", "1",
+             "--timeout", "1", "--wait-s", "30", "--controller", daemon.address],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        )  # fmt: skip
+        assert asking.stderr is not None
+        # Frozen through three unanswered calls (the first may fail at once, the others wait
+        # out --timeout): at least two seconds.
+        said = [asking.stderr.readline() for _ in range(3)]
+        assert all("the daemon did not answer" in s and "asking again" in s for s in said), said
+    finally:
+        daemon.signal(signal.SIGCONT)
+    out, err = asking.communicate(timeout=30)
+    assert asking.returncode == 0, (out, err)
+    assert "1:1 (1 ffn group of 1): nothing to change" in out, out
+    daemon.wait_for(r"the daemon's event loop was held for \d+\.\d s", 10)

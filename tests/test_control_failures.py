@@ -511,4 +511,6 @@ def test_a_normal_stop_logs_no_warning(start_daemon):
     daemon.wait_for("peer lost: attention rank 0", 5)
     log = daemon.log()
     assert "INFO afd_ctl.controller: peer lost: ffn rank 0" in log, log
-    assert "WARNING" not in log, log
+    # (A loaded test machine may hold the daemon's event loop, which it says: not the stop's.)
+    warnings = [line for line in log.splitlines() if "WARNING" in line]
+    assert all("event loop was held" in line for line in warnings), log

@@ -140,8 +140,10 @@ class Client(threading.Thread):
 
 
 def afd_ctl(daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    """afd-ctl with a 30 s bound per call: a daemon starved by the servers beside it on 2 cores
+    answers late rather than not at all (its log says when its event loop was held)."""
     return subprocess.run(
-        [bin_path("afd-ctl"), *args, "--controller", daemon.address],
+        [bin_path("afd-ctl"), *args, "--timeout", "30", "--controller", daemon.address],
         capture_output=True,
         text=True,
         timeout=300,
@@ -290,7 +292,7 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
         assert asked.returncode == 0 and "moving to 1:1" in asked.stdout, asked
         back_proc = subprocess.Popen(
             [bin_path("afd-ctl"), "scale", "--attention", "1", "--ffn", "1", "--wait-s", "180",
-             "--controller", daemon.address],
+             "--timeout", "30", "--controller", daemon.address],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
