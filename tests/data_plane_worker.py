@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -337,6 +338,9 @@ def main() -> int:
     )
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # A test that gives up waiting for this worker asks it where it is (tests/test_data_plane's
+    # stop_all): every thread's stack to stderr, the worker's log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     role = Role.parse(args.role)
     cfg = TransportConfig(**json.loads(args.config))

@@ -96,7 +96,14 @@ def stop_all(daemon: Any, workers: list[Proc]) -> None:
     """SIGTERM drains the daemon: every worker is told (DAEMON_DRAINING) and exits 0."""
     daemon.signal(signal.SIGTERM)
     for w in workers:
-        rc = w.wait(30)
+        try:
+            rc = w.wait(30)
+        except AssertionError:  # still running: where it is (data_plane_worker's SIGUSR1)
+            w.signal(signal.SIGUSR1)
+            w.wait_for(r"(?m)^(Current thread|Thread) 0x", 10)
+            raise AssertionError(
+                f"{w.argv[2:6]} did not exit; its threads:\n{w.tail(80)}"
+            ) from None
         assert rc == 0, f"{w.argv[2:6]} exited {rc}:\n{w.tail()}"
     assert daemon.wait(30) == 0
 
