@@ -282,8 +282,9 @@ def test_a_loss_tells_its_listeners_once_per_epoch() -> None:
 
 def test_a_waiter_that_was_itself_stopped_does_not_blame_its_peer() -> None:
     """A bound counts only time the waiter polled: frozen for 1.2 s (a SIGSTOP, say; a clock
-    here) inside a 0.5 s wait, it still takes the answer that arrived meanwhile; a peer that never answers is still
-    lost, after the bound plus the stall; stalls move a deadline on by 10 s at most."""
+    here) inside a 0.5 s wait, it still takes the answer that arrived meanwhile; a peer that
+    never answers is still lost, after the bound plus the stall; stalls move a deadline on by
+    10 s at most."""
     from types import SimpleNamespace
 
     from afd_data.config import TransportConfig

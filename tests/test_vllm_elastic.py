@@ -139,11 +139,15 @@ class Client(threading.Thread):
             time.sleep(0.2)
 
 
-def afd_ctl(daemon, *args: str) -> subprocess.CompletedProcess[str]:
+def afd_ctl_argv(daemon, *args: str) -> list[str]:
     """afd-ctl with a 30 s bound per call: a daemon starved by the servers beside it on 2 cores
     answers late rather than not at all (its log says when its event loop was held)."""
+    return [bin_path("afd-ctl"), *args, "--timeout", "30", "--controller", daemon.address]
+
+
+def afd_ctl(daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [bin_path("afd-ctl"), *args, "--timeout", "30", "--controller", daemon.address],
+        afd_ctl_argv(daemon, *args),
         capture_output=True,
         text=True,
         timeout=300,
@@ -291,8 +295,7 @@ def test_scale_out_and_in_under_a_client_matches_colocated(
         asked = scale(daemon, 1, 1)
         assert asked.returncode == 0 and "moving to 1:1" in asked.stdout, asked
         back_proc = subprocess.Popen(
-            [bin_path("afd-ctl"), "scale", "--attention", "1", "--ffn", "1", "--wait-s", "180",
-             "--timeout", "30", "--controller", daemon.address],
+            afd_ctl_argv(daemon, "scale", "--attention", "1", "--ffn", "1", "--wait-s", "180"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:

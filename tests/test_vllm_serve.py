@@ -2,8 +2,8 @@
 `vllm serve --afd-role attention`, against a colocated `vllm serve` of the same weights.
 At most two vLLM servers run at a time (the colocated one is stopped first). One colocated
 server per model per session answers every test here and in test_vllm_elastic and
-test_vllm_expert_parallel's DP=2 case (conftest's `colocated_serve`), each request alone in its batch, so its answers do not depend on which
-test asked first."""
+test_vllm_expert_parallel's DP=2 case (conftest's `colocated_serve`), each request alone in
+its batch, so its answers do not depend on which test asked first."""
 
 from __future__ import annotations
 
