@@ -156,7 +156,7 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
     ffn_procs: dict[str, Proc] = {}  # each AFD part's FFN server (host profiles)
     try:
         if args.gpu:
-            model = gpu_setup.write_v3_shaped(tmp / "model", depth, args.experts)
+            model = gpu_setup.write_v3_shaped(tmp / "model", depth, args.experts, model_len(args))
             extra_path = gpu_setup.plugin_path(tmp)
             base = gpu_llm_kwargs(max(batches), 0.0)
             base["max_model_len"] = model_len(args)

@@ -61,10 +61,12 @@ def mps_state(flag: str = "auto") -> dict[str, Any]:
 V3_EXPERTS = 256
 
 
-def v3_shaped_config(layers: int, experts: int = V3_EXPERTS) -> dict[str, Any]:
+def v3_shaped_config(layers: int, experts: int = V3_EXPERTS, max_len: int = 4096) -> dict[str, Any]:
     """DeepSeek-V3's layer shapes (its real vocabulary size too: the LM head is part of a step).
     `experts` below V3's 256 (a multiple of its 8 expert groups, at least 64) shrinks each MoE
-    layer's weights alike for every part, so deeper models fit two engines on one GPU."""
+    layer's weights alike for every part, so deeper models fit two engines on one GPU.
+    `max_len` past 4096 raises the positions the model takes (long prompts: vLLM refuses a
+    max_model_len above the config's)."""
     from vllm_ext.testing.tiny_deepseek import config_for
 
     if experts % 8 or not 64 <= experts <= V3_EXPERTS:
@@ -91,17 +93,19 @@ def v3_shaped_config(layers: int, experts: int = V3_EXPERTS) -> dict[str, Any]:
         n_group=8,
         topk_group=4,
         torch_dtype="bfloat16",
-        max_position_embeddings=4096,
+        max_position_embeddings=max(4096, max_len),
     )
     return config
 
 
-def write_v3_shaped(out: Path, layers: int, experts: int = V3_EXPERTS) -> Path:
+def write_v3_shaped(out: Path, layers: int, experts: int = V3_EXPERTS, max_len: int = 4096) -> Path:
     """config.json and a tokenizer; the weights are vLLM's dummy ones (--load-format dummy)."""
     from vllm_ext.testing.tiny_deepseek import BOS_ID, EOS_ID, build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(v3_shaped_config(layers, experts), indent=2))
+    (out / "config.json").write_text(
+        json.dumps(v3_shaped_config(layers, experts, max_len), indent=2)
+    )
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
     )

@@ -399,6 +399,9 @@ def test_the_v3_shaped_model_can_have_fewer_experts_so_deeper_models_fit_two_eng
     assert v3_shaped_config(4)["n_routed_experts"] == 256
     config = v3_shaped_config(4, 128)
     assert (config["n_routed_experts"], config["n_group"]) == (128, 8)
+    # long prompts (dual-batch overlap's runs) raise the positions the model takes
+    assert config["max_position_embeddings"] == 4096
+    assert v3_shaped_config(4, 64, 16528)["max_position_embeddings"] == 16528
     for bad in (100, 32, 512):
         with pytest.raises(ValueError, match="multiple of 8"):
             v3_shaped_config(4, bad)
