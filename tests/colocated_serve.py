@@ -45,15 +45,37 @@ def complete_each(port: int, model: Path) -> list[str]:
 
 def ask(port: int, model: Path) -> tuple[str, str]:
     """A completion and a chat: their texts."""
+    completion, chat = (text_of(port, model, body) for body in REQUESTS[len(PROMPTS) : -1])
+    return completion, chat
+
+
+# Every request a ColocatedAnswers holds the answer to, in its order: each of PROMPTS, the
+# completion and the chat of `ask`, LONG.
+REQUESTS: list[dict] = [
+    *({**EACH, "prompt": p} for p in PROMPTS),
+    {**COMPLETION, "ignore_eos": True},
+    {**CHAT, "ignore_eos": True},
+    LONG,
+]
+
+
+def text_of(port: int, model: Path, body: dict) -> str:
+    """A `vllm serve`'s text for one request body of REQUESTS."""
     base = f"http://127.0.0.1:{port}/v1"
-    extra = {"model": str(model), "ignore_eos": True}
-    completion = post_json(f"{base}/completions", {**COMPLETION, **extra})
-    chat = post_json(f"{base}/chat/completions", {**CHAT, **extra})
-    return completion["choices"][0]["text"], chat["choices"][0]["message"]["content"]
+    if "messages" in body:
+        chat = post_json(f"{base}/chat/completions", {**body, "model": str(model)})
+        return chat["choices"][0]["message"]["content"]
+    return post_json(f"{base}/completions", {**body, "model": str(model)})["choices"][0]["text"]
+
+
+def answers_from(texts: list[str]) -> ColocatedAnswers:
+    """The answers to REQUESTS, in its order, as a ColocatedAnswers."""
+    if len(texts) != len(REQUESTS):
+        raise ValueError(f"{len(texts)} answers to {len(REQUESTS)} requests")
+    n = len(PROMPTS)
+    return ColocatedAnswers(texts[:n], (texts[n], texts[n + 1]), texts[n + 2])
 
 
 def answers_of(port: int, model: Path) -> ColocatedAnswers:
-    long = post_json(f"http://127.0.0.1:{port}/v1/completions", {**LONG, "model": str(model)})
-    return ColocatedAnswers(
-        complete_each(port, model), ask(port, model), long["choices"][0]["text"]
-    )
+    """A running colocated `vllm serve`'s answers to REQUESTS, one request at a time."""
+    return answers_from([text_of(port, model, body) for body in REQUESTS])

@@ -10,6 +10,7 @@ from tests.procs import Daemon, Proc
 
 if TYPE_CHECKING:
     from tests.colocated_serve import ColocatedAnswers
+    from tests.offline_references import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,19 +56,42 @@ def tiny_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_models(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest, tiny_v2: Path
+) -> dict[Version, Path]:
+    """The tiny model of each family (tests/offline_references.py runs vLLM's colocated
+    reference of each), once per session for every module; DeepSeek-V2 is the `vllm serve`
+    tests' (tiny_v2), so its reference run can answer for their colocated server."""
+    from tests.offline_references import ask_beside_references
+    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
+    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
+
+    ask_beside_references(request.session.items)
+    root = tmp_path_factory.mktemp("models")
+    models: dict[Version, Path] = {2: tiny_v2, 3: build_tiny_deepseek(root / "tiny-v3", version=3)}
+    models["qwen3"] = build_tiny_qwen3_moe(root / "tiny-qwen3-moe")
+    return models
+
+
+@pytest.fixture(scope="session")
 def colocated_serve(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[Path], ColocatedAnswers]:
     """A colocated `vllm serve` of a model, started once per session (not per test or module:
     a start costs 25-40 s on 2 cores), asked every request of tests/colocated_serve.py, and
     stopped as soon as it has answered, before the asking test starts its attention servers
-    (its FFN servers start beside it: once registered, they wait for those idle)."""
+    (its FFN servers start beside it: once registered, they wait for those idle). Where this
+    session's offline reference of the model ran first and answered those requests
+    (tests/offline_references.py, the same engine in one process), those answers instead."""
     from tests.colocated_serve import answers_of
+    from tests.offline_references import serve_answers
     from vllm_ext.testing.procs import free_port, serve_argv, vllm_env, wait_http_ok
 
     answers: dict[Path, ColocatedAnswers] = {}
 
     def of(model: Path) -> ColocatedAnswers:
+        if model not in answers and (offline := serve_answers(model)) is not None:
+            answers[model] = offline
         if model not in answers:
             port = free_port()
             log = tmp_path_factory.mktemp("colocated") / "colocated.log"

@@ -1,17 +1,25 @@
 """vLLM's own colocated runs of the tiny models, offline (LLM(), in-process): the references
 the AFD runs of test_vllm_afd and test_vllm_expert_parallel must match, started once per
 session, side by side (each is one process doing one core's work), with the check runs of
-test_vllm_afd's tests beside them (BESIDE_REFERENCES)."""
+test_vllm_afd's tests beside them (BESIDE_REFERENCES). The DeepSeek runs also answer the
+requests of tests/colocated_serve.py where a `vllm serve` test of the session compares with
+them (SERVE_ANSWERS_FOR): the colocated `vllm serve` it would start otherwise (two processes,
+25-40 s of the 2 cores) is then not started (conftest's `colocated_serve`)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.procs import Proc
+
+if TYPE_CHECKING:
+    from tests.colocated_serve import ColocatedAnswers
 from vllm_ext.testing.procs import offline_argv, vllm_env
 
 MAX_TOKENS = 16
@@ -31,6 +39,16 @@ BESIDE_REFERENCES = {
     "tp2": "test_attention_tp2_to_one_ffn_matches_colocated",
 }
 _BESIDE: set[str] = set()
+# The `vllm serve` tests that compare with a colocated server's answers, and their model: a
+# session with one of them has the model's reference run answer tests/colocated_serve.py's
+# REQUESTS as well (on vLLM 0.26 DeepSeek-V2's reference then runs for them alone).
+SERVE_ANSWERS_FOR: dict[str, Version] = {
+    "test_scale_out_and_in_under_a_client_matches_colocated": 2,
+    "test_attention_dp2_to_one_ffn_matches_colocated": 2,
+    "test_dp2_serve_to_an_expert_parallel_group_matches_colocated_and_loses_a_rank": 3,
+}
+_ANSWERING: set[Version] = set()
+_ANSWERED_MODEL: dict[Version, Path] = {}  # the model each answering run answered for
 
 
 def one_process_run(models: dict[Version, Path], name: Version, log_dir: Path) -> Proc:
@@ -57,6 +75,13 @@ def one_process_run(models: dict[Version, Path], name: Version, log_dir: Path) -
         )
         return Proc(argv, log_dir / "colocated-tp2.log", env)
     argv = offline_argv(models[name], "--max-tokens", str(MAX_TOKENS))
+    if name in _ANSWERING:
+        from tests.colocated_serve import REQUESTS
+
+        requests = log_dir / f"requests-v{name}.json"
+        requests.write_text(json.dumps(REQUESTS))
+        argv += ["--answer", str(requests)]
+        _ANSWERED_MODEL[name] = models[name]
     return Proc(argv, log_dir / f"colocated-v{name}.log", env)
 
 
@@ -78,7 +103,7 @@ def colocated_reference(models: dict[Version, Path], version: Version, log_dir: 
     Qwen3-MoE), one process fewer, and a model asked for later gets its own run then."""
     from vllm_ext import compat
 
-    wanted = {3, "qwen3", version} if compat.vllm_line() == "0.26" else set(models)
+    wanted = {3, "qwen3", version} | _ANSWERING if compat.vllm_line() == "0.26" else set(models)
     if version not in _REFERENCES:
         names = [v for v in models if v not in _REFERENCES and v in wanted]
         names += [n for n in BESIDE_REFERENCES if n in _BESIDE and n not in _REFERENCES]
@@ -95,6 +120,19 @@ def check_runs(models: dict[Version, Path], names: list[str], log_dir: Path) -> 
 
 
 def ask_beside_references(items: Iterable[pytest.Item]) -> None:
-    """The check runs whose test is among `items` (the session's) go beside the references."""
+    """The check runs whose test is among `items` (the session's) go beside the references, and
+    the models of its SERVE_ANSWERS_FOR tests answer their requests."""
     selected = {item.name for item in items}
     _BESIDE.update(name for name, test in BESIDE_REFERENCES.items() if test in selected)
+    _ANSWERING.update(v for test, v in SERVE_ANSWERS_FOR.items() if test in selected)
+
+
+def serve_answers(model: Path) -> ColocatedAnswers | None:
+    """What a colocated `vllm serve` of `model` answers, if this session's references ran it
+    and answered (None otherwise: the caller starts a server)."""
+    from tests.colocated_serve import answers_from
+
+    for name, path in _ANSWERED_MODEL.items():
+        if path == model and "answers" in _REFERENCES.get(name, {}):
+            return answers_from(_REFERENCES[name]["answers"])
+    return None

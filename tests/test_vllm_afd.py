@@ -20,7 +20,6 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cp
 from tests.offline_references import (  # noqa: E402
     MAX_TOKENS,
     Version,
-    ask_beside_references,
     check_runs,
     colocated_reference,
 )
@@ -28,22 +27,6 @@ from tests.procs import Proc  # noqa: E402
 from vllm_ext.testing.procs import bin_path, ffn_argv, offline_argv, vllm_env  # noqa: E402
 
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def tiny_models(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> dict[Version, Path]:
-    from vllm_ext.testing.tiny_deepseek import build_tiny_deepseek
-    from vllm_ext.testing.tiny_qwen3_moe import build_tiny_qwen3_moe
-
-    ask_beside_references(request.session.items)
-    root = tmp_path_factory.mktemp("models")
-    models: dict[Version, Path] = {
-        v: build_tiny_deepseek(root / f"tiny-v{v}", version=v) for v in (2, 3)
-    }
-    models["qwen3"] = build_tiny_qwen3_moe(root / "tiny-qwen3-moe")
-    return models
 
 
 def assert_same_generation(afd: dict, reference: dict) -> None:

@@ -40,7 +40,6 @@ from tests.test_vllm_afd import (  # noqa: E402
     colocated_reference,
     start_attention,
     start_ffn,
-    tiny_models,  # noqa: F401 (fixture)
 )
 from tests.test_vllm_failures import ffn_kill_fails_the_request_then_recovers  # noqa: E402
 from tests.test_vllm_serve import dp2_serves_like_colocated  # noqa: E402
@@ -110,7 +109,7 @@ def start_attention_server(
 @pytest.mark.timeout(600)
 @pytest.mark.both_lines
 def test_each_ffn_rank_holds_only_its_experts(
-    tiny_models: dict[Version, Path],  # noqa: F811
+    tiny_models: dict[Version, Path],
     procs: list[Proc],
     tmp_path: Path,
 ) -> None:
@@ -156,7 +155,7 @@ def test_each_ffn_rank_holds_only_its_experts(
 @pytest.mark.timeout(900)
 @pytest.mark.line_independent
 def test_afd_1_attention_4_ffn_expert_parallel_matches_colocated(
-    tiny_models: dict[Version, Path],  # noqa: F811
+    tiny_models: dict[Version, Path],
     start_daemon,
     procs: list[Proc],
     tmp_path: Path,
@@ -204,7 +203,7 @@ def start_dp2_expert_parallel(
 @pytest.mark.timeout(900)
 @pytest.mark.line_independent
 def test_dp2_serve_to_an_expert_parallel_group_matches_colocated_and_loses_a_rank(
-    tiny_models: dict[Version, Path],  # noqa: F811
+    tiny_models: dict[Version, Path],
     colocated_serve: Callable[[Path], ColocatedAnswers],
     start_daemon,
     procs: list[Proc],

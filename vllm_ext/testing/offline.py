@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 DEFAULT_PROMPTS = [
@@ -93,6 +94,40 @@ def generate(
 ) -> list[dict[str, Any]]:
     """Runs LLM(model).generate greedily; returns per prompt its token ids, text and the
     log-prob of each chosen token."""
+    return generate_and_answer(model, prompts, max_tokens, logprobs, [], **llm_kwargs)[0]
+
+
+def answer(llm: Any, sampling_params: Any, requests: list[dict[str, Any]]) -> list[str]:
+    """What a `vllm serve` of the same engine answers to each OpenAI request body (`prompt`: a
+    completion, `messages`: a chat; greedy only: temperature 0, max_tokens, ignore_eos), each
+    alone in its batch as a client asking one at a time gets it: the answers' texts."""
+    texts = []
+    for body in requests:
+        if body.get("temperature", 0) != 0 or set(body) - ANSWERED_FIELDS:
+            raise ValueError(f"only greedy {sorted(ANSWERED_FIELDS)} are answered: {body}")
+        params = sampling_params(
+            temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=body.get("ignore_eos", False)
+        )
+        if "messages" in body:
+            out = llm.chat(body["messages"], params, use_tqdm=False)
+        else:
+            out = llm.generate([body["prompt"]], params, use_tqdm=False)
+        texts.append(out[0].outputs[0].text)
+    return texts
+
+
+ANSWERED_FIELDS = {"prompt", "messages", "max_tokens", "temperature", "ignore_eos", "model"}
+
+
+def generate_and_answer(
+    model: str,
+    prompts: list[str] | None,
+    max_tokens: int,
+    logprobs: int,
+    requests: list[dict[str, Any]],
+    **llm_kwargs: Any,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """generate's results, then the answers to `requests` from the same engine (`answer`)."""
     apply_cpu_env()
     LLM, SamplingParams = _offline_classes()
 
@@ -114,8 +149,9 @@ def generate(
         results.append(
             {"prompt": out.prompt, "token_ids": ids, "text": completion.text, "logprobs": lps}
         )
+    answers = answer(llm, SamplingParams, requests)
     del llm
-    return results
+    return results, answers
 
 
 def bench_decode(
@@ -238,6 +274,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS))
     parser.add_argument("--json", default="", help="also write the report to this file")
     parser.add_argument(
+        "--answer",
+        default="",
+        metavar="FILE",
+        help="JSON list of OpenAI request bodies to answer after generating, each alone, as "
+        "`vllm serve` of this engine would (the report's `answers`)",
+    )
+    parser.add_argument(
         "--bench-decode", type=int, default=0, metavar="N", help="time N-token greedy decode"
     )
     parser.add_argument("--repeats", type=int, default=3)
@@ -272,8 +315,13 @@ def main() -> None:
         print(json.dumps(report), flush=True)
         return
     prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.prompts)]
-    results = generate(args.model, prompts=prompts, max_tokens=args.max_tokens, **kwargs)
+    requests = json.loads(Path(args.answer).read_text()) if args.answer else []
+    results, answers = generate_and_answer(
+        args.model, prompts, args.max_tokens, 1, requests, **kwargs
+    )
     report = {"results": results, **TIMINGS}
+    if args.answer:
+        report["answers"] = answers
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f)
