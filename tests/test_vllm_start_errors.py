@@ -8,6 +8,7 @@ second, as that side's last line."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -115,19 +116,19 @@ def test_different_weights_are_refused_at_registration_as_the_last_line(
     seeds: tuple[Path, Path], start_daemon, procs: list[Proc], tmp_path: Path
 ) -> None:
     seed0, seed1 = seeds
-    # (a) The FFN server (seed 1) registers first; the attention server (seed 0) is refused.
+    # (a) An FFN server on seed 1 registers first (simulated: a registration with seed 1's
+    # fingerprint, which is what a real FFN server sends; no vLLM behind it), and a real
+    # attention server on seed 0 is refused.
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    ffn = Proc(ffn_argv(seed1, daemon.address), tmp_path / "ffn-seed1.log", vllm_env())
-    procs.append(ffn)
-    # (b) On a second daemon the attention side (simulated: a registration with seed 0's
-    # fingerprint, which is what a real attention server sends; no vLLM behind it) is there
-    # first, and a real FFN server on seed 1 is refused.
+    ffn_sim = registered_worker(daemon.address, seed1, "FFN")
+    # (b) On a second daemon the attention side (simulated, seed 0) is there first, and a real
+    # FFN server on seed 1 is refused.
     other = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
-    attention_sim = registered_attention(other.address, seed0)
+    attention_sim = registered_worker(other.address, seed0, "ATTENTION")
     late_ffn = Proc(ffn_argv(seed1, other.address), tmp_path / "ffn-late.log", vllm_env())
     procs.append(late_ffn)
 
-    daemon.wait_for(r"worker registered: ffn", 240)
+    daemon.wait_for(r"worker registered: ffn", 30)
     started = time.monotonic()
     attention = Proc(
         attention_argv(seed0, daemon.address), tmp_path / "attention-seed0.log", vllm_env()
@@ -147,12 +148,25 @@ def test_different_weights_are_refused_at_registration_as_the_last_line(
         assert "Traceback" not in log, proc.tail()
     # vLLM's start-up and the refusal at registration: no wait for connect_timeout_s (120 s).
     assert took < 120, took
-    assert ffn.popen.poll() is None, ffn.tail()  # the registered side carries on
+    # the registered side carries on: afd-ctl still has it, and nobody else
+    status = afd_ctl_status(daemon.address)
+    assert re.search(r"^ffn\s+1\s+1$", status, re.M) and "ffn-sim" in status, status
+    assert re.search(r"^attention\s+0\s+1$", status, re.M), status
+    ffn_sim.close()
     attention_sim.close()
 
 
-def registered_attention(address: str, model: Path):
-    """A registered attention worker that says it serves `model` (DeepSeek-V2, float32)."""
+def afd_ctl_status(address: str) -> str:
+    done = subprocess.run(
+        [bin_path("afd-ctl"), "status", "--controller", address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return done.stdout + done.stderr
+
+
+def registered_worker(address: str, model: Path, role: str):
+    """A registered worker of `role` (ATTENTION or FFN) that says it serves `model`
+    (DeepSeek-V2, float32), as a real server of that model registers."""
     import json
 
     from afd_ctl.client import ControllerClient, WorkerSpec
@@ -169,6 +183,6 @@ def registered_attention(address: str, model: Path):
         dtype="float32",
         weights_digest=checkpoint_digest(model),
     )
-    client = ControllerClient(address, WorkerSpec("attention-sim", "ATTENTION", model=fingerprint))
+    client = ControllerClient(address, WorkerSpec(f"{role.lower()}-sim", role, model=fingerprint))
     client.connect(timeout_s=20)
     return client
