@@ -21,14 +21,16 @@ NIXL_VERSION := 1.5.1
 
 # Per-test progress (a line per test) and the slowest tests at the end, then pytest's summary.
 PYTEST_PROGRESS := -v --durations=15
-# Each line's tests run on TEST_WORKERS pytest-xdist workers, a module on one worker, heaviest
-# modules first (tests/conftest.py). Default: half the cores from 4 cores up, else one process
+# vLLM 0.32's tests run on TEST_WORKERS pytest-xdist workers (0.26's on TEST_WORKERS_026, below),
+# a module on one worker, heaviest modules first (tests/conftest.py). Default: half the cores
+# from 4 cores up, else one process
 # (0): on 2 cores two workers measured 19 min 57 s against 20 min 45 s for one (vLLM 0.32,
 # 2026-12-03), every core busy either way, for twice the load on every timing bound.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n >= 4 ? n / 2 : 0 )))
 PYTEST_SUITE := $(PYTEST_PROGRESS) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The 0.26 line's end-to-end tests wait more than they compute (its cores idle 19% on one
-# process): two workers from 2 cores up (2026-12-07, 2 cores: 7 min 0 s against 8 min 39 s).
+# process): two workers on 2 or 3 cores, half the cores from 4 up (2026-12-07, 2 cores: 7 min
+# 0 s against 8 min 39 s on one).
 TEST_WORKERS_026 ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n >= 4 ? n / 2 : (n >= 2 ? 2 : 0) )))
 PYTEST_SUITE_026 := $(PYTEST_PROGRESS) -n $(TEST_WORKERS_026) --dist loadfile --no-loadscope-reorder
 # Everything but the tests that start vLLM: the inner loop while changing afd_ctl or afd_data.

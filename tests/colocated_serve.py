@@ -1,8 +1,9 @@
 """What a colocated `vllm serve` answers, the reference the tests of AFD `vllm serve` servers
 compare with (test_vllm_serve, test_vllm_elastic, test_vllm_expert_parallel's DP=2 case):
 conftest's `colocated_serve` starts one per model per session (a start costs 25-40 s of the 2
-cores), asks it every request of this module and stops it before the asking test starts its
-AFD servers. Each request runs alone in its batch (a batch of two changes float32 sums, and
+cores), asks it every request of this module (REQUESTS) and stops it before the asking test
+starts its AFD servers, unless the session's offline reference of that model answered REQUESTS
+already (tests/offline_references.py, the same engine). Each request runs alone in its batch (a batch of two changes float32 sums, and
 a near-tie token with them), so an answer does not depend on which test asked first."""
 
 from __future__ import annotations

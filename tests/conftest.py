@@ -111,9 +111,10 @@ def colocated_serve(
     return of
 
 
-# `make test` runs each vLLM line's tests on pytest-xdist workers on machines of 4 cores or more
-# (`--dist loadfile`, the Makefile's TEST_WORKERS): a module's tests stay on one worker (its
-# module fixtures, e.g. one colocated server per module, start once). The heaviest modules are
+# `make test` runs each vLLM line's tests on pytest-xdist workers, 0.32's from 4 cores and
+# 0.26's from 2 (`--dist loadfile`, the Makefile's TEST_WORKERS and TEST_WORKERS_026): a
+# module's tests stay on one worker (its module fixtures, e.g. one colocated server per module,
+# start once). The heaviest modules are
 # handed out first (make test passes --no-loadscope-reorder, so xdist keeps this order), so that
 # no long module starts last while the other workers idle: seconds on vLLM 0.32, 2-core
 # machine, 2026-12-03 (an order only; a module not listed goes after these, in its own order).

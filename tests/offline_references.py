@@ -1,14 +1,16 @@
 """vLLM's own colocated runs of the tiny models, offline (LLM(), in-process): the references
 the AFD runs of test_vllm_afd and test_vllm_expert_parallel must match, started once per
 session, side by side (each is one process doing one core's work), with the check runs of
-test_vllm_afd's tests beside them (BESIDE_REFERENCES). The DeepSeek runs also answer the
-requests of tests/colocated_serve.py where a `vllm serve` test of the session compares with
-them (SERVE_ANSWERS_FOR): the colocated `vllm serve` it would start otherwise (two processes,
-25-40 s of the 2 cores) is then not started (conftest's `colocated_serve`)."""
+test_vllm_afd's tests beside them (BESIDE_REFERENCES). In one pytest process (not on xdist
+workers) the DeepSeek runs also answer the requests of tests/colocated_serve.py where a `vllm
+serve` test of the session compares with them (SERVE_ANSWERS_FOR): the colocated `vllm serve`
+it would start otherwise (two processes, 25-40 s of the 2 cores) is then not started
+(conftest's `colocated_serve`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,10 +19,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.procs import Proc
+from vllm_ext.testing.procs import offline_argv, vllm_env
 
 if TYPE_CHECKING:
     from tests.colocated_serve import ColocatedAnswers
-from vllm_ext.testing.procs import offline_argv, vllm_env
 
 MAX_TOKENS = 16
 
@@ -124,6 +126,10 @@ def ask_beside_references(items: Iterable[pytest.Item]) -> None:
     the models of its SERVE_ANSWERS_FOR tests answer their requests."""
     selected = {item.name for item in items}
     _BESIDE.update(name for name, test in BESIDE_REFERENCES.items() if test in selected)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Every worker sees the whole session's tests but runs only some modules: a `vllm
+        # serve` test on another worker would start its server anyway.
+        return
     _ANSWERING.update(v for test, v in SERVE_ANSWERS_FOR.items() if test in selected)
 
 

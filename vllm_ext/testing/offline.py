@@ -97,14 +97,34 @@ def generate(
     return generate_and_answer(model, prompts, max_tokens, logprobs, [], **llm_kwargs)[0]
 
 
+ANSWERED_FIELDS = {"prompt", "messages", "max_tokens", "temperature", "ignore_eos"}
+
+
+def check_requests(requests: list[dict[str, Any]]) -> None:
+    """Refuses, before any engine starts, a body `answer` would not answer as `vllm serve`
+    does: each names `prompt` or `messages`, `max_tokens`, and `temperature` 0 (a server's
+    default temperature is not greedy), and nothing else."""
+    for i, body in enumerate(requests):
+        unknown = sorted(set(body) - ANSWERED_FIELDS)
+        missing = sorted({"max_tokens", "temperature"} - set(body))
+        kinds = [k for k in ("prompt", "messages") if k in body]
+        if unknown or missing or len(kinds) != 1 or body["temperature"] != 0:
+            raise ValueError(
+                f"request {i}: only greedy completions or chats are answered (prompt or "
+                f"messages, max_tokens, temperature 0, ignore_eos): unknown {unknown}, "
+                f"missing {missing}, temperature {body.get('temperature')!r}"
+            )
+
+
 def answer(llm: Any, sampling_params: Any, requests: list[dict[str, Any]]) -> list[str]:
     """What a `vllm serve` of the same engine answers to each OpenAI request body (`prompt`: a
-    completion, `messages`: a chat; greedy only: temperature 0, max_tokens, ignore_eos), each
-    alone in its batch as a client asking one at a time gets it: the answers' texts."""
+    completion, `messages`: a chat; `check_requests` says which), each alone in its batch and
+    with an empty prefix cache, as a client asking one at a time gets it: the answers' texts."""
+    check_requests(requests)
+    if requests:
+        llm.reset_prefix_cache()  # nothing of the reference's own generation is reused
     texts = []
     for body in requests:
-        if body.get("temperature", 0) != 0 or set(body) - ANSWERED_FIELDS:
-            raise ValueError(f"only greedy {sorted(ANSWERED_FIELDS)} are answered: {body}")
         params = sampling_params(
             temperature=0.0, max_tokens=body["max_tokens"], ignore_eos=body.get("ignore_eos", False)
         )
@@ -114,9 +134,6 @@ def answer(llm: Any, sampling_params: Any, requests: list[dict[str, Any]]) -> li
             out = llm.generate([body["prompt"]], params, use_tqdm=False)
         texts.append(out[0].outputs[0].text)
     return texts
-
-
-ANSWERED_FIELDS = {"prompt", "messages", "max_tokens", "temperature", "ignore_eos", "model"}
 
 
 def generate_and_answer(
@@ -316,6 +333,7 @@ def main() -> None:
         return
     prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.prompts)]
     requests = json.loads(Path(args.answer).read_text()) if args.answer else []
+    check_requests(requests)  # before the engine starts
     results, answers = generate_and_answer(
         args.model, prompts, args.max_tokens, 1, requests, **kwargs
     )
