@@ -3,8 +3,9 @@ compare with (test_vllm_serve, test_vllm_elastic, test_vllm_expert_parallel's DP
 conftest's `colocated_serve` starts one per model per session (a start costs 25-40 s of the 2
 cores), asks it every request of this module (REQUESTS) and stops it before the asking test
 starts its AFD servers, unless the session's offline reference of that model answered REQUESTS
-already (tests/offline_references.py, the same engine). Each request runs alone in its batch (a batch of two changes float32 sums, and
-a near-tie token with them), so an answer does not depend on which test asked first."""
+already (tests/offline_references.py, the same engine). Each request runs alone in its batch
+(a batch of two changes float32 sums, and a near-tie token with them), so an answer does not
+depend on which test asked first."""
 
 from __future__ import annotations
 
@@ -39,9 +40,7 @@ class ColocatedAnswers:
 
 def complete_each(port: int, model: Path) -> list[str]:
     """Each of PROMPTS, one request at a time, so every request runs alone in its batch."""
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    body = {**EACH, "model": str(model)}
-    return [post_json(url, {**body, "prompt": p})["choices"][0]["text"] for p in PROMPTS]
+    return [text_of(port, model, body) for body in REQUESTS[: len(PROMPTS)]]
 
 
 def ask(port: int, model: Path) -> tuple[str, str]:

@@ -120,7 +120,6 @@ def answer(llm: Any, sampling_params: Any, requests: list[dict[str, Any]]) -> li
     """What a `vllm serve` of the same engine answers to each OpenAI request body (`prompt`: a
     completion, `messages`: a chat; `check_requests` says which), each alone in its batch and
     with an empty prefix cache, as a client asking one at a time gets it: the answers' texts."""
-    check_requests(requests)
     if requests:
         llm.reset_prefix_cache()  # nothing of the reference's own generation is reused
     texts = []
@@ -144,7 +143,9 @@ def generate_and_answer(
     requests: list[dict[str, Any]],
     **llm_kwargs: Any,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """generate's results, then the answers to `requests` from the same engine (`answer`)."""
+    """generate's results, then the answers to `requests` from the same engine (`answer`;
+    `requests` checked before the engine starts)."""
+    check_requests(requests)
     apply_cpu_env()
     LLM, SamplingParams = _offline_classes()
 
@@ -333,7 +334,6 @@ def main() -> None:
         return
     prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.prompts)]
     requests = json.loads(Path(args.answer).read_text()) if args.answer else []
-    check_requests(requests)  # before the engine starts
     results, answers = generate_and_answer(
         args.model, prompts, args.max_tokens, 1, requests, **kwargs
     )
