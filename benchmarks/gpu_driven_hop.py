@@ -12,6 +12,12 @@ stdout). The FFN side's "compute" is x * 2, so every output row is checked.
   `--ffn-eager`: it enqueues each layer from its host instead): the round trip with no host
   in the loop.
 
+`--work-mib N` gives every layer's FFN compute a bandwidth-bound GEMM too (the rows times an
+N MiB bf16 weight, as an expert's decode GEMM is), and times the same kernels in one process
+without the exchange (`work_alone_per_layer_us`): `graph_added_per_layer_us` is then what the
+hop adds to a layer whose FFN work is real (on one GPU under MPS, the exchange beside a kernel
+that wants the whole memory bandwidth), not to an empty one.
+
 Prints one JSON line last. `--mps` records that the command started MPS (one GPU, both sides
 running concurrently).
 
@@ -69,8 +75,10 @@ def ffn_main(args: argparse.Namespace) -> None:
     host_synced = args.iters + args.warmup
     total = host_synced + (args.replays + 1) * args.layers
 
+    compute = _work(args, device)
+
     def layer(i: int) -> None:
-        gpu.ffn_layer(i % args.layers, 0, slices, _stream(), lambda x, r: x * 2)
+        gpu.ffn_layer(i % args.layers, 0, slices, _stream(), compute)
 
     with torch.inference_mode():
         for i in range(host_synced):  # one layer at a time, enqueued from the host
@@ -89,6 +97,23 @@ def ffn_main(args: argparse.Namespace) -> None:
     print(json.dumps({"ffn_done": total, "ffn_graph": args.ffn_graph}), flush=True)
     gpu.close()
     transport.close()
+
+
+def _work(args: argparse.Namespace, device: str) -> Any:
+    """The FFN's compute of one layer: x * 2, after a GEMM of x with a `--work-mib` weight."""
+    import torch
+
+    if not args.work_mib:
+        return lambda x, r: x * 2
+    cols = max(1, args.work_mib * 2**20 // (args.hidden * 2))
+    weight = torch.randn(args.hidden, cols, device=device).to(torch.bfloat16)
+    scratch = torch.empty(args.rows, cols, device=device, dtype=torch.bfloat16)
+
+    def compute(x: Any, router: Any) -> Any:
+        torch.matmul(x, weight, out=scratch[: x.shape[0]])
+        return x * 2
+
+    return compute
 
 
 def _json_line(stream: Any, key: str) -> dict[str, Any]:
@@ -170,6 +195,8 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
                 graph_replays=args.replays,
                 graph_rows_ok=bool(torch.equal(out, hidden * 2)),
             )
+            if args.work_mib:
+                result.update(_work_alone(args, hidden, out, result["graph_rt_p50_us"]))
         done = _json_line(child.stdout, "ffn_done")
         result["ffn_served"] = done.get("ffn_done")
         result["ffn_side"] = "one graph per replay" if done.get("ffn_graph") else "eager per layer"
@@ -180,6 +207,33 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
         child.wait(timeout=60) if child.poll() is None else None
         if child.poll() is None:
             child.kill()
+
+
+def _work_alone(args: argparse.Namespace, hidden: Any, out: Any, rt_us: float) -> dict[str, Any]:
+    """The FFN's compute of every layer in one process's graph, with no exchange."""
+    import torch
+
+    compute = _work(args, "cuda:0")
+    out.copy_(compute(hidden, None))  # cuBLAS makes its handle here, not inside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(args.layers):
+            out.copy_(compute(hidden, None))
+    per_layer = []
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(args.replays + 1):
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_layer.append(begin.elapsed_time(end) * 1e3 / args.layers)
+    alone = statistics.median(per_layer[1:])
+    return {
+        "work_mib": args.work_mib,
+        "work_alone_per_layer_us": round(alone, 2),
+        "graph_added_per_layer_us": round(rt_us - alone, 2),
+    }
 
 
 def main() -> None:
@@ -195,6 +249,11 @@ def main() -> None:
         "--ffn-eager", dest="ffn_graph", action="store_false",
         help="graph mode: the FFN side enqueues each layer from its host instead of replaying "
         "one graph of every layer (as the vLLM FFN server does)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--work-mib", type=int, default=0,
+        help="the FFN's compute per layer reads a weight of this many MiB (a GEMM), and the "
+        "same compute is timed alone in one process (0: x * 2 only)",
     )  # fmt: skip
     parser.add_argument("--mps", action="store_true", help="MPS was started for this run")
     parser.add_argument("--serve-ffn", action="store_true", help=argparse.SUPPRESS)
