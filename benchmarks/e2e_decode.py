@@ -666,6 +666,12 @@ def main() -> None:
         action="store_true",
         help="run at most one depth missing from --state, then summarise",
     )
+    il.add_argument(
+        "--calls-per-depth", type=int, default=1,
+        help="run each depth this many times, each with its own engine starts (with "
+        "--one-depth-per-call: one per call, 4, 6, 6, 4 ...); ratios and fit are means over "
+        "the calls, their intervals resampling the calls too",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.interleave:
         from benchmarks import e2e_interleaved

@@ -12,7 +12,11 @@ steps wait for vLLM's host and 4 layers' for the GPU; fit 4 and 6 there). A rati
 wider than `--interval-bound` (relative) first gets more repeats of its batch size alone
 (`--max-repeats`, within `--more-budget-s`: noise measured longer where it is, not everywhere),
 then refuses the run, naming it;
-everything else decode_runner refuses stays refused.
+everything else decode_runner refuses stays refused. With `--calls-per-depth K` each depth is run
+K times, each its own engine starts (with `--one-depth-per-call`, one call of the run each, in
+the order 4, 6, 6, 4 ...): ratios and the fit are then the means over calls, their intervals
+resampling the calls as well as the repeats, so they hold where a start lands (a call's own
+interval does not: 2026-12-07, one H100, three 4-layer calls 1.013-1.024 apart, each 0.003 wide).
 
 `--part` picks the parts (default `colocated,afd`): `afd_dbo` is an AFD pair whose attention
 engine runs dual-batch overlap (`--enable-dbo`, vLLM's decode threshold), GPU only (vLLM's
@@ -45,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -55,10 +60,10 @@ from benchmarks import gpu_setup, host_profile, timeline
 from benchmarks.interleave import (
     Lockstep,
     More,
+    calls_layer_fit,
+    calls_ratio_interval,
     expected_distinct_experts,
     interleave,
-    layer_fit,
-    ratio_interval,
 )
 from benchmarks.timing_stats import BenchmarkRefused
 from vllm_ext.testing.processes import Daemon, Proc
@@ -295,37 +300,43 @@ def profile_repeat(
     return out
 
 
-def paced_by(run: dict[str, Any], part: str, batch: int) -> str:
-    """ "host" where the part's steps at `batch` waited for the host (its timeline's host lead
-    below zero: the GPU idles until vLLM's host hands it the next step), "gpu" where the host
-    ran ahead, "" where no timeline says."""
-    rows = run.get("timelines", {}).get(part, {}).get("by_rows", {}).get(str(batch), {})
-    lead = rows.get("host_lead_ms")
-    return "" if lead is None else ("host" if lead < 0 else "gpu")
+def paced_by(runs: list[dict[str, Any]], part: str, batch: int) -> str:
+    """ "host" where the part's steps at `batch` waited for the host in every call (its
+    timeline's host lead below zero: the GPU idles until vLLM's host hands it the next step),
+    "gpu" where the host ran ahead in every call, "" where no timeline says, "mixed" else."""
+    paces = set()
+    for run in runs:
+        rows = run.get("timelines", {}).get(part, {}).get("by_rows", {}).get(str(batch), {})
+        lead = rows.get("host_lead_ms")
+        paces.add("" if lead is None else ("host" if lead < 0 else "gpu"))
+    return paces.pop() if len(paces) == 1 else "mixed"
 
 
-def depth_fit(depths: dict[int, dict[str, Any]], part: str, batch: int) -> dict[str, Any]:
+def depth_fit(depths: dict[int, list[dict[str, Any]]], part: str, batch: int) -> dict[str, Any]:
     """What `part` adds per step and per layer at `batch` (layer_fit), over the depths of one
     pacing only: where a shallow depth's steps wait for the host and a deeper one's for the
     GPU, a line through both measures the host's pacing, not AFD (the 12-06 H200 run: 2 layers
     host-paced at a host lead of -0.9 ms, 4 layers GPU-paced at +2.6 ms). GPU-paced depths are
-    fitted where two or more are; else host-paced ones; else nothing, saying why."""
-    pacing = {d: paced_by(run, part, batch) for d, run in depths.items()}
+    fitted where two or more are; else host-paced ones; else nothing, saying why. `depths`
+    holds each depth's calls."""
+    pacing = {d: paced_by(runs, part, batch) for d, runs in depths.items()}
     gpu = [d for d in depths if pacing[d] in ("gpu", "")]
     host = [d for d in depths if pacing[d] == "host"]
     use = gpu if len(gpu) >= 2 else host if len(host) >= 2 else []
     out: dict[str, Any] = {"paced_by": {str(d): pacing[d] or "unknown" for d in sorted(depths)}}
     if not use:
         out["not_fitted"] = (
-            f"no two depths of one pacing (GPU-paced {sorted(gpu)}, host-paced {sorted(host)}): "
+            f"no two depths of one pacing (GPU-paced {sorted(gpu)}, host-paced {sorted(host)}, "
+            f"mixed {sorted(d for d in depths if pacing[d] == 'mixed')}): "
             "add deeper depths, whose steps the GPU paces"
         )
         return out
     if len(use) < len(depths):
         out["left_out_depths"] = sorted(set(depths) - set(use))
-    afd = {d: depths[d]["tpot_ms"][part][batch] for d in use}
-    colo = {d: depths[d]["tpot_ms"]["colocated"][batch] for d in use}
-    step, layer = layer_fit(afd, colo)
+    tpot = {d: [run["tpot_ms"] for run in depths[d]] for d in use}
+    step, layer = calls_layer_fit(
+        {d: [(t[part][batch], t["colocated"][batch]) for t in tpot[d]] for d in use}
+    )
     out.update(
         per_step_added_us=round(step.value, 1),
         per_step_added_us_interval=step.as_list(1),
@@ -335,7 +346,8 @@ def depth_fit(depths: dict[int, dict[str, Any]], part: str, batch: int) -> dict[
     return out
 
 
-def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The JSON of every depth's calls (`depths`: each depth's runs, one per call)."""
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, Any] = {
         "benchmark": "e2e_decode",
@@ -348,7 +360,8 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
         "max_repeats": max(args.repeats, getattr(args, "max_repeats", 0)),
         "parts": parts_of(args),
         "interleaved": "A, B then B, A per repeat, every engine up at once",
-        "interval": "95% bootstrap of the ratio of medians",
+        "interval": "95% bootstrap of the ratio of medians"
+        + (", mean over calls, calls resampled too" if max(map(len, depths.values())) > 1 else ""),
         "interval_bound": args.interval_bound,
     }
     if args.gpu:
@@ -360,31 +373,43 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
         result["cudagraph_mode"] = args.cudagraph_mode or "vLLM default"
         result["prompt_tokens"], result["max_model_len"] = args.prompt_tokens, model_len(args)
     refusals = []
-    for depth, run in sorted(depths.items()):
+    for depth, runs in sorted(depths.items()):
+        run = runs[-1]  # threads, exchange and timeline: the last call's
         parts = list(run["tpot_ms"])
         rows: dict[str, Any] = {}
         for b in batches:
-            tpot = {p: run["tpot_ms"][p][b] for p in parts}
+            calls = [{p: r["tpot_ms"][p][b] for p in parts} for r in runs]
+            tpot = calls[-1]
             row: dict[str, Any] = {
-                f"tpot_ms_{p}": round(sorted(v)[len(v) // 2], 3) for p, v in tpot.items()
+                f"tpot_ms_{p}": round(
+                    statistics.fmean(sorted(c[p])[len(c[p]) // 2] for c in calls), 3
+                )
+                for p in parts
             }
+            if len(calls) > 1:
+                row["calls"] = len(calls)
             for i, earlier in enumerate(parts):
                 for later in parts[i + 1 :]:
-                    r = ratio_interval(tpot[later], tpot[earlier])
+                    r = calls_ratio_interval([(c[later], c[earlier]) for c in calls])
                     key = f"ratio_tpot_{later}_vs_{earlier}"
                     row[key], row[f"{key}_interval"] = round(r.value, 3), r.as_list()
+                    if len(calls) > 1:  # does a call reproduce the others?
+                        each = [calls_ratio_interval([(c[later], c[earlier])]) for c in calls]
+                        row[f"{key}_per_call"] = [
+                            {"ratio": round(e.value, 3), "interval": e.as_list()} for e in each
+                        ]
                     if r.relative_width > args.interval_bound:
                         refusals.append(
                             f"depth {depth}, batch {b}: {later} / {earlier} interval "
                             f"{r.as_list()} is wider than {args.interval_bound:.0%} of "
                             f"{r.value:.3f}"
                         )
-            row["repeats"] = min(len(v) for v in tpot.values())
+            row["repeats"] = min(len(c[p]) for c in calls for p in parts)
             for p in parts:  # where each part's CPU went per step (benchmarks/thread_clock.py)
                 threads = run["reports"][p].get("batches", {}).get(str(b), {})
                 if threads.get("threads_per_step"):
                     row[f"threads_per_step_{p}"] = threads["threads_per_step"]
-            row["tpot_ms_repeats"] = tpot
+            row["tpot_ms_repeats"] = tpot if len(calls) == 1 else calls
             rows[f"batch_{b}"] = row
         for p in parts:
             if p.startswith("afd"):
@@ -396,8 +421,9 @@ def summarise(args: argparse.Namespace, depths: dict[int, dict[str, Any]]) -> di
             if run["reports"][p].get("retried_repeats"):
                 rows[f"{p}_retried_repeats"] = run["reports"][p]["retried_repeats"]
         result[f"layers_{depth}"] = rows
-    afd_parts = [p for p in AFD_PARTS if all(p in r["tpot_ms"] for r in depths.values())]
-    colocated_in_all = all("colocated" in r["tpot_ms"] for r in depths.values())
+    last = [runs[-1] for runs in depths.values()]
+    afd_parts = [p for p in AFD_PARTS if all(p in r["tpot_ms"] for r in last)]
+    colocated_in_all = all("colocated" in r["tpot_ms"] for r in last)
     if len(depths) >= 2 and colocated_in_all:
         for p in afd_parts:
             for b in batches:
@@ -412,7 +438,7 @@ def keep_logs(args: argparse.Namespace, tmp: Path, run: str) -> None:
     the AFD parts' timelines (sampled, so a few MB at most) beside them."""
     if not args.log_dir:
         return
-    into = Path(args.log_dir) / run.replace("+", "_").replace("@", "_depth")
+    into = Path(args.log_dir) / run.replace("+", "_").replace("@", "_depth").replace("#", "_call")
     into.mkdir(parents=True, exist_ok=True)
     for log in tmp.glob("*.log"):
         shutil.copy2(log, into / log.name)
@@ -420,26 +446,51 @@ def keep_logs(args: argparse.Namespace, tmp: Path, run: str) -> None:
         shutil.copytree(tmp / "timeline", into / "timeline", dirs_exist_ok=True)
 
 
+def call_key(parts: str, depth: int, call: int) -> str:
+    """A run's key in --state: each set of parts' depths apart, a depth's later calls beside
+    its first (whose key states written before --calls-per-depth have)."""
+    return f"{parts}@{depth}" + (f"#{call}" if call > 1 else "")
+
+
+def calls_of(state: dict[str, Any], parts: str, depth: int) -> list[dict[str, Any]]:
+    runs = []
+    while (run := state.get(call_key(parts, depth, len(runs) + 1))) is not None:
+        runs.append(run)
+    return runs
+
+
+def next_depth(state: dict[str, Any], parts: str, wanted: list[int], calls: int) -> int | None:
+    """The depth with the fewest calls, below `calls`: ascending in even rounds, descending in
+    odd ones (4, 6, then 6, 4), so the calls of each depth are spread over the session."""
+    done = {d: len(calls_of(state, parts, d)) for d in wanted}
+    least = min(done.values())
+    if least >= calls:
+        return None
+    order = wanted if least % 2 == 0 else wanted[::-1]
+    return next(d for d in order if done[d] == least)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Runs every depth not yet in --state for these parts (so one depth per call fits a
-    per-call limit), then prints the comparison of what the state holds; exit 3 when refused."""
+    """Runs what --state lacks for these parts (each depth --calls-per-depth times; with
+    --one-depth-per-call one run per call, to fit a per-call limit), then prints the
+    comparison of what the state holds; exit 3 when refused."""
     state_path = Path(args.state)
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
     wanted = [int(d) for d in args.depths.split(",")]
-    parts = "+".join(parts_of(args))  # a state keeps each set of parts' depths apart
+    parts = "+".join(parts_of(args))
+    calls = max(1, getattr(args, "calls_per_depth", 1))
     started = time.monotonic()
     ran = 0
-    for depth in wanted:
-        if f"{parts}@{depth}" in state:
-            continue
+    while (depth := next_depth(state, parts, wanted, calls)) is not None:
         if args.one_depth_per_call and ran:
             break
+        key = call_key(parts, depth, len(calls_of(state, parts, depth)) + 1)
         try:
             with tempfile.TemporaryDirectory(prefix="afd-e2e-il-") as tmp:
                 try:
                     run = depth_run(args, depth, Path(tmp))
                 finally:
-                    keep_logs(args, Path(tmp), f"{parts}@{depth}")
+                    keep_logs(args, Path(tmp), key)
         except BenchmarkRefused as exc:  # nonsense or late compiles: no figure of it is kept
             print(json.dumps({"benchmark": "e2e_decode", "depth": depth, "refused": [str(exc)]}))
             return 3
@@ -447,17 +498,20 @@ def main(args: argparse.Namespace) -> int:
             p: {str(b): v for b, v in per.items()} for p, per in run["tpot_ms"].items()
         }
         run["wall_s"] = round(time.monotonic() - started, 1)
-        state[f"{parts}@{depth}"] = run
+        state[key] = run
         state_path.write_text(json.dumps(state))
         ran += 1
     depths = {
-        d: {**run, "tpot_ms": {p: {int(b): v for b, v in per.items()}
-                               for p, per in run["tpot_ms"].items()}}
-        for d in wanted if (run := state.get(f"{parts}@{d}")) is not None
+        d: [{**run, "tpot_ms": {p: {int(b): v for b, v in per.items()}
+                                for p, per in run["tpot_ms"].items()}}
+            for run in runs]
+        for d in wanted if (runs := calls_of(state, parts, d))
     }  # fmt: skip
     result = summarise(args, depths)
     if args.gpu:
         result.update(gpu_setup.mps_state(args.mps))
     result["depths_missing"] = [d for d in wanted if d not in depths]
+    if calls > 1:
+        result["calls_per_depth"] = {str(d): len(depths.get(d, [])) for d in wanted}
     print(json.dumps(result), flush=True)
     return 3 if "refused" in result else 0

@@ -306,7 +306,7 @@ def test_depth_fit_only_fits_depths_of_one_pacing() -> None:
 
     # 2 layers host-paced (its added time is the host's), 4 and 6 GPU-paced: 0.1 ms a step
     # and 0.02 ms a layer from 4 and 6 alone.
-    depths = {2: run(2, 0.6, -0.9), 4: run(4, 0.18, 2.6), 6: run(6, 0.22, 2.4)}
+    depths = {2: [run(2, 0.6, -0.9)], 4: [run(4, 0.18, 2.6)], 6: [run(6, 0.22, 2.4)]}
     fit = depth_fit(depths, "afd", 16)
     assert fit["paced_by"] == {"2": "host", "4": "gpu", "6": "gpu"}
     assert fit["left_out_depths"] == [2]
@@ -316,9 +316,74 @@ def test_depth_fit_only_fits_depths_of_one_pacing() -> None:
     fit = depth_fit({2: depths[2], 4: depths[4]}, "afd", 16)
     assert "per_step_added_us" not in fit and "deeper depths" in fit["not_fitted"]
     # No timeline (the CPU runs): every depth is fitted.
-    fit = depth_fit({2: run(2, 0.14, None), 4: run(4, 0.18, None)}, "afd", 16)
+    fit = depth_fit({2: [run(2, 0.14, None)], 4: [run(4, 0.18, None)]}, "afd", 16)
     assert fit["paced_by"] == {"2": "unknown", "4": "unknown"}
     assert fit["per_layer_added_us"] == pytest.approx(20.0)
+    # A depth whose calls disagree on pacing is fitted with neither kind.
+    fit = depth_fit({**depths, 4: [run(4, 0.18, 2.6), run(4, 0.18, -0.3)]}, "afd", 16)
+    assert fit["paced_by"]["4"] == "mixed" and "mixed [4]" in fit["not_fitted"]
+
+
+def test_several_calls_per_depth_give_means_whose_intervals_hold_the_start_offset() -> None:
+    """Three 4-layer calls on one H100 (2026-12-07) gave 1.013-1.024, each interval 0.003 wide:
+    over calls, the ratio is their mean and its interval spans them; the fit averages each
+    depth's calls; the calls run 4, 6, then 6, 4, each under its own key in --state."""
+    import argparse
+
+    from benchmarks.e2e_interleaved import call_key, calls_of, next_depth, summarise
+    from benchmarks.interleave import calls_layer_fit, calls_ratio_interval
+
+    def call(colo: float, afd: float) -> tuple[list[float], list[float]]:
+        return [afd + 0.001 * i for i in range(9)], [colo + 0.001 * i for i in range(9)]
+
+    calls = [call(6.65, 6.80), call(6.65, 6.74)]
+    one = [calls_ratio_interval([c]) for c in calls]
+    assert one[0].high < one[1].low or one[1].high < one[0].low  # each call alone: disjoint
+    both = calls_ratio_interval(calls)
+    assert both.value == pytest.approx((one[0].value + one[1].value) / 2)
+    assert both.low <= one[1].value and both.high >= one[0].value  # holds both calls
+    # The fit: 6 layers' two calls added 0.22 and 0.24 ms, 4 layers' 0.15 and 0.09 ms.
+    fit = {4: [call(6.65, 6.80), call(6.65, 6.74)], 6: [call(10.24, 10.46), call(10.25, 10.49)]}
+    step, layer = calls_layer_fit(fit)
+    assert layer.value == pytest.approx(((230 - 120) / 2), abs=0.5)
+    assert step.value == pytest.approx(120 - 4 * layer.value, abs=0.5)
+    assert layer.low < layer.value < layer.high
+    # The order of the calls, and each call's key (a state from before keeps its first key).
+    state: dict = {}
+    order = []
+    while (d := next_depth(state, "colocated+afd", [4, 6], 2)) is not None:
+        order.append(d)
+        state[call_key("colocated+afd", d, len(calls_of(state, "colocated+afd", d)) + 1)] = {}
+    assert order == [4, 6, 6, 4]
+    assert sorted(state) == [
+        "colocated+afd@4",
+        "colocated+afd@4#2",
+        "colocated+afd@6",
+        "colocated+afd@6#2",
+    ]
+    # The summary: means over calls, each call's own ratio beside them, the calls' fit.
+    args = argparse.Namespace(
+        part="colocated,afd", gpu=False, batches="16", tokens=64, repeats=9, interval_bound=0.25
+    )
+
+    def run(c: tuple[list[float], list[float]]) -> dict:
+        return {
+            "tpot_ms": {"colocated": {16: c[1]}, "afd": {16: c[0]}},
+            "reports": {"colocated": {}, "afd": {}},
+        }
+
+    result = summarise(args, {d: [run(c) for c in cs] for d, cs in fit.items()})
+    row = result["layers_4"]["batch_16"]
+    assert row["calls"] == 2 and row["ratio_tpot_afd_vs_colocated"] == pytest.approx(
+        both.value, abs=1e-3
+    )
+    assert [c["ratio"] for c in row["ratio_tpot_afd_vs_colocated_per_call"]] == [
+        pytest.approx(one[0].value, abs=1e-3),
+        pytest.approx(one[1].value, abs=1e-3),
+    ]
+    assert row["tpot_ms_afd"] == pytest.approx((6.804 + 6.744) / 2, abs=1e-3)
+    assert result["fit_afd_batch_16"]["per_layer_added_us"] == pytest.approx(layer.value, abs=0.1)
+    assert "calls resampled" in result["interval"]
 
 
 def test_expected_distinct_experts_under_uniform_routing() -> None:
@@ -348,7 +413,7 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
     }
     reports = {p: {"afd_exchange": {"gpu_driven": 1.0}} for p in ("afd", "afd_dbo")}
     run = {"tpot_ms": tpot, "reports": {"colocated": {}, **reports}, "timelines": {}}
-    result = summarise(args, {3: run})
+    result = summarise(args, {3: [run]})
     row = result["layers_3"]["batch_256"]
     assert row["ratio_tpot_afd_vs_colocated"] == pytest.approx(8.2 / 8.0, abs=1e-3)
     assert row["ratio_tpot_afd_dbo_vs_afd"] == pytest.approx(6.5 / 8.2, abs=1e-3)

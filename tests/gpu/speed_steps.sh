@@ -30,6 +30,7 @@ for step in "$@"; do
       # and "--part colocated,afd_dbo" or "--part afd,afd_dbo" for dual-batch overlap;
       # "--experts 128 --depths 2,3,4" fits 4 layers of both engines on one H200. The layer
       # fit takes depths whose steps the GPU paces: on one H200 at --experts 64, 4 and 6.
+      # "--calls-per-depth 2" runs each depth twice (4, 6, 6, 4: one per call) and pools them.
       # shellcheck disable=SC2086
       timeout "${E2E_S:-560}" python3 "$ROOT/benchmarks/e2e_decode.py" --gpu --one-gpu \
         --interleave --one-depth-per-call --state "$OUT/e2e_il_state.json" \
