@@ -4,9 +4,18 @@ from vllm_ext.testing.processes import (
     LISTEN_RE,
     Daemon,
     Proc,
+    afd_ctl,
     child_env,
     sim_worker,
     stop_children_on_sigterm,
 )
 
-__all__ = ["LISTEN_RE", "Daemon", "Proc", "child_env", "sim_worker", "stop_children_on_sigterm"]
+__all__ = [
+    "LISTEN_RE",
+    "Daemon",
+    "Proc",
+    "afd_ctl",
+    "child_env",
+    "sim_worker",
+    "stop_children_on_sigterm",
+]

@@ -21,19 +21,9 @@ from pathlib import Path
 import grpc
 
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
-from tests.procs import Daemon, Proc, child_env, sim_worker
+from tests.procs import Daemon, Proc, afd_ctl, child_env, sim_worker
 
 WAIT_S = 30.0
-
-
-def cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "afd_ctl.cli", *args, "--controller", daemon.address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
 
 
 def status(daemon: Daemon) -> afd_pb2.Status:
@@ -73,7 +63,7 @@ def sim(procs: list[Proc], tmp_path: Path, daemon: Daemon, role: str, name: str,
 def scale_and_start(daemon, attention, ffn, start=lambda: None, *flags: str) -> float:
     """`afd-ctl scale`, then the new workers; waits for the new epoch; returns the hold (s)."""
     before = status(daemon).steps_relayed
-    out = cli(daemon, "scale", "--attention", str(attention), "--ffn", str(ffn), *flags)
+    out = afd_ctl(daemon.address, "scale", "--attention", str(attention), "--ffn", str(ffn), *flags)
     assert out.returncode == 0, out.stderr
     if flags:  # --wait-s: it followed the change to its new epoch
         assert "scaled from" in out.stdout and f" to {attention}:{ffn} " in out.stdout, out.stdout
@@ -121,15 +111,15 @@ def test_sim_workers_follow_scale_from_1_1_to_2_1_2_2_1_2_and_back(start_daemon,
     pauses["1:1->2:1"] = scale_and_start(daemon, 2, 1, start_a1)
 
     # A second scale while FFN rank 1 has not registered yet: refused, one line; then 2:2.
-    out = cli(daemon, "scale", "--attention", "2", "--ffn", "2")
+    out = afd_ctl(daemon.address, "scale", "--attention", "2", "--ffn", "2")
     assert out.returncode == 0 and "waiting for ffn rank 1 to register" in out.stdout
-    refused = cli(daemon, "scale", "--attention", "1", "--ffn", "2")
+    refused = afd_ctl(daemon.address, "scale", "--attention", "1", "--ffn", "2")
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert "FAILED_PRECONDITION: a change to 2:2 (2 ffn groups of 1) is in progress" in (
         refused.stderr
     )
     daemon.wait_for(r"scale refused: to 1:2 from .*: FAILED_PRECONDITION: a change to 2:2", 5)
-    text = cli(daemon, "status").stdout
+    text = afd_ctl(daemon.address, "status").stdout
     assert (
         "target      2:2 (2 ffn groups of 1): gather" in text and "waiting for ffn rank 1" in text
     )
@@ -154,14 +144,14 @@ def test_sim_workers_follow_scale_from_1_1_to_2_1_2_2_1_2_and_back(start_daemon,
         (("--attention", "1", "--ffn", "4", "--expert-parallel-size", "3"), "rule: E divides N"),
         (("--attention", "1", "--ffn", "4", "--expert-parallel-size", "2"), "must not exceed"),
     ):
-        bad = cli(daemon, "scale", *args)
+        bad = afd_ctl(daemon.address, "scale", *args)
         assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and rule in bad.stderr
         assert "INVALID_ARGUMENT" in bad.stderr
-    big = cli(daemon, "scale", "--attention", "3", "--ffn", "1")
+    big = afd_ctl(daemon.address, "scale", "--attention", "3", "--ffn", "1")
     assert big.returncode == 1 and big.stderr.count("\n") == 1, big.stderr
     assert "FAILED_PRECONDITION: attention rank 0 (a0) cannot follow 3:1" in big.stderr
 
-    text = cli(daemon, "status").stdout
+    text = afd_ctl(daemon.address, "status").stdout
     assert "membership  1:1 (1 ffn group of 1)" in text and "last change scaled from" in text
     assert "EPOCH" in text and "scaled to 1:1" in text
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -172,7 +162,7 @@ def test_sim_workers_follow_scale_from_1_1_to_2_1_2_2_1_2_and_back(start_daemon,
     assert {"TARGET_SET", "FENCE", "SCALED", "RETIRED"} <= set(kinds)
 
     # The end: every step attention rank 0 published reached FFN rank 0, in order.
-    assert cli(daemon, "stop").returncode == 0
+    assert afd_ctl(daemon.address, "stop").returncode == 0
     assert f0.wait(WAIT_S) == 0, f0.tail()
     ffn0 = f0.json_report(5)
     a0.wait(WAIT_S)

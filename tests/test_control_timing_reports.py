@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import subprocess
-import sys
 import time
 
 import grpc
@@ -29,7 +27,7 @@ from afd_ctl.sim_worker import make_payload
 from afd_ctl.step_window import StepWindows
 from afd_ctl.trace import PendingTrace, check_trace_events, to_chrome
 from afd_ctl.v1 import afd_pb2, afd_pb2_grpc
-from tests.procs import child_env
+from tests.procs import afd_ctl
 
 UINT64_MAX = (1 << 64) - 1
 
@@ -228,16 +226,6 @@ def test_spans_with_broken_clocks_are_left_out_and_the_file_stays_valid():
     json.dumps(doc, allow_nan=False)
 
 
-def cli(address: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "afd_ctl.cli", *args, "--controller", address],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-    )
-
-
 def test_padded_reports_and_huge_step_ids_through_a_real_daemon(start_daemon) -> None:
     """The attack of issue 39 with the real worker client: 24 reports padded to 3 MB each (72
     MB as stored before) leave GetTimings small and working, with no traceback in the log; a
@@ -283,7 +271,7 @@ def test_padded_reports_and_huge_step_ids_through_a_real_daemon(start_daemon) ->
             status = stub.GetStatus(afd_pb2.GetStatusRequest(), timeout=10)
             assert status.last_step_id < 1 << 62
         for _ in range(2):
-            out = cli(
+            out = afd_ctl(
                 daemon.address, "trace", "--steps", "3", "--out", "/dev/null", "--wait-s", "2"
             )
             assert out.returncode == 1, out

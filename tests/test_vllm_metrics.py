@@ -13,8 +13,6 @@ stop`): a pair's start costs 25-30 s of a 2-core machine."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -35,7 +33,7 @@ from tests.daemon_restarts import (  # noqa: E402
     ride_out_restarts,
     serving_again,
 )
-from tests.procs import Proc, child_env  # noqa: E402
+from tests.procs import Proc, afd_ctl  # noqa: E402
 from tests.test_grafana_dashboard import dashboard_series  # noqa: E402
 from tests.test_vllm_failures import (  # noqa: E402
     UNI_EXECUTOR,
@@ -62,16 +60,6 @@ def scrape(url: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
-
-
-def afd_ctl(address: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "afd_ctl.cli", *args, "--controller", address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
 
 
 def advice_under_steady_traffic(servers, streams: int = 4, bound_s: float = 60) -> dict:

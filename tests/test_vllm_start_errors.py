@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/install_vllm_cp
 
 from afd_ctl.client import ControllerClient, WorkerSpec  # noqa: E402
 from afd_ctl.fingerprint import ModelFingerprint  # noqa: E402
-from tests.procs import Proc  # noqa: E402
+from tests.procs import Proc, afd_ctl  # noqa: E402
 from vllm_ext.testing.procs import (  # noqa: E402
     bin_path,
     environ_with,
@@ -161,17 +161,10 @@ def test_different_weights_are_refused_at_registration_as_the_last_line(
     # vLLM's start-up and the refusal at registration: no wait for connect_timeout_s (120 s).
     assert took < 120, took
     # the registered side carries on: afd-ctl still has it, and nobody else
-    status = afd_ctl_status(daemon.address)
+    done = afd_ctl(daemon.address, "status")
+    status = done.stdout + done.stderr
     assert re.search(r"^ffn\s+1\s+1$", status, re.M) and "ffn-sim" in status, status
     assert re.search(r"^attention\s+0\s+1$", status, re.M), status
-
-
-def afd_ctl_status(address: str) -> str:
-    done = subprocess.run(
-        [bin_path("afd-ctl"), "status", "--controller", address],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    return done.stdout + done.stderr
 
 
 def registered_worker(address: str, model: Path, role: str) -> ControllerClient:

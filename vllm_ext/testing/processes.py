@@ -28,6 +28,15 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def afd_ctl(address: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`afd-ctl ARGS --controller ADDRESS` as an operator runs it (its own process), answered
+    within `timeout` seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", "afd_ctl.cli", *args, "--controller", address],
+        capture_output=True, text=True, timeout=timeout, env=child_env(),
+    )  # fmt: skip
+
+
 # Every Proc not yet stopped (stop_children_on_sigterm stops them).
 _LIVE: weakref.WeakSet[Proc] = weakref.WeakSet()
 
