@@ -33,8 +33,11 @@ def afd_ctl(address: str, *args: str, timeout: float = 60) -> subprocess.Complet
     within `timeout` seconds."""
     return subprocess.run(
         [sys.executable, "-m", "afd_ctl.cli", *args, "--controller", address],
-        capture_output=True, text=True, timeout=timeout, env=child_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
 
 
 # Every Proc not yet stopped (stop_children_on_sigterm stops them).
