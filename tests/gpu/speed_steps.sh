@@ -3,7 +3,7 @@
 # each under its own time bound, logs and JSON into $OUT. Run it inside tests/gpu/with_mps.sh
 # on one GPU (the attention and FFN processes then run concurrently).
 #
-#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop host pairs failure dbo e2e e2e_il ep
+#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop hop_parts host pairs failure dbo e2e e2e_il ep
 #
 # MODELS (default 2) and MODES (default default,full_decode_only) narrow the pairs and dbo
 # steps (dbo: dual-batch overlap at attention DP 1 against colocated, issue 34);
@@ -40,6 +40,17 @@ for step in "$@"; do
       timeout 180 python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 1000 \
         > "$OUT/hop.txt" 2>&1 || rc=1
       tail -3 "$OUT/hop.txt" | cut -c1-1500 ;;
+    hop_parts)
+      # Issue 33: what each kind of stream operation in the hop costs in a graph, and what the
+      # hop adds to a layer with real FFN work (a 4 GiB bandwidth-bound GEMM) at 16 and 64 rows.
+      timeout 60 python3 "$ROOT/benchmarks/gpu_hop_ops.py" $mps > "$OUT/hop_ops.txt" 2>&1 || rc=1
+      tail -1 "$OUT/hop_ops.txt" | cut -c1-1500
+      for rows in 16 64; do
+        timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 100 \
+          --warmup 20 --layers 16 --replays 30 --rows $rows --work-mib 4096 \
+          > "$OUT/hop_work_rows$rows.txt" 2>&1 || rc=1
+        tail -1 "$OUT/hop_work_rows$rows.txt" | cut -c1-1500
+      done ;;
     host)
       # The attention host's step path alone on this host (issue 33): each call's cost, then the
       # real AttentionSteps + GPU-driven exchange against a real afd-ctl and FFN process, with

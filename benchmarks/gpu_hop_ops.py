@@ -1,0 +1,124 @@
+"""What each kind of stream operation of the GPU-driven hop costs inside a CUDA graph, on one GPU.
+
+The hop's round trip (benchmarks/gpu_driven_hop.py: 18-20 µs on one H100 or H200 under MPS) is
+a chain of stream operations (afd_data.gpu_protocol): per layer three copies
+(`cuMemcpyDtoDAsync`: the attention side into its send slot, the FFN side pulling it, the FFN
+side pushing its output back), one copy kernel (the attention side's `copy_` of the output), four
+`cuStreamWriteValue32` (two flags raised, two reset; each with the memory barrier, the only kind
+the H200 driver takes) and two `cuStreamWaitValue32`, plus the crossing between the processes.
+This times each kind alone, `--ops` of it back to back in one captured graph, so the chain's
+budget can be split before anything in it is changed:
+
+- `write`: a flag word written (with the barrier);
+- `wait_met`: a wait on a word that already holds its value (what a wait costs when nothing is
+  late);
+- `write_wait`: a write and then a wait on that word (one handover within a stream);
+- `memcpy_{rows}`: `cuMemcpyDtoDAsync` of `rows` x `--hidden` bf16;
+- `copy_kernel_{rows}`: torch's `copy_` of the same bytes (a kernel, not the copy engine);
+- `tiny_kernel`: the smallest kernel (one element), a graph node's floor.
+
+Prints one JSON line last (µs per operation, the median over `--replays`).
+
+    python benchmarks/gpu_hop_ops.py [--rows 16,128] [--hidden 7168] [--ops 200] [--mps]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def per_op_us(enqueue: Callable[[], None], ops: int, replays: int) -> float:
+    """The median time of one operation: `enqueue` issues one, `ops` of them are captured in a
+    graph, and each replay is timed with CUDA events."""
+    import torch
+
+    enqueue()  # lazy initialisations (cuBLAS, allocator) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops):
+            enqueue()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays + 1):
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / ops)
+    return statistics.median(times[1:])
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from afd_data.cuda_driver import driver
+
+    cuda = driver()
+    torch.cuda.set_device("cuda:0")
+    words = torch.zeros(64, dtype=torch.int32, device="cuda:0")
+    flag = int(words.data_ptr())
+
+    def stream() -> int:
+        return int(torch.cuda.current_stream().cuda_stream)
+
+    def write_wait() -> None:
+        cuda.write(stream(), flag + 4, 1)
+        cuda.wait_geq(stream(), flag + 4, 1)
+
+    one = torch.zeros(1, device="cuda:0")
+    kinds: dict[str, Callable[[], None]] = {
+        "write": lambda: cuda.write(stream(), flag, 1),
+        "wait_met": lambda: cuda.wait_geq(stream(), flag + 8, 0),
+        "write_wait": write_wait,
+        "tiny_kernel": lambda: one.add_(1.0),
+    }
+    for rows in [int(r) for r in args.rows.split(",")]:
+        src = torch.randn(rows, args.hidden, device="cuda:0").to(torch.bfloat16)
+        dst = torch.empty_like(src)
+        nbytes = src.numel() * src.element_size()
+        kinds[f"memcpy_{rows}"] = lambda s=src, d=dst, n=nbytes: cuda.copy(
+            stream(), int(d.data_ptr()), int(s.data_ptr()), n
+        )
+        kinds[f"copy_kernel_{rows}"] = lambda s=src, d=dst: d.copy_(s)
+    result: dict[str, Any] = {
+        "benchmark": "gpu_hop_ops",
+        "device": torch.cuda.get_device_name(0),
+        "mps": args.mps,
+        "hidden": args.hidden,
+        "rows": args.rows,
+        "ops_per_graph": args.ops,
+        "replays": args.replays,
+    }
+    for name, enqueue in kinds.items():
+        result[f"{name}_us"] = round(per_op_us(enqueue, args.ops, args.replays), 2)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="16,128", help="copy sizes: rows of --hidden bf16")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--ops", type=int, default=200, help="operations per captured graph")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--mps", action="store_true", help="MPS was started for this run")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print(json.dumps({"benchmark": "gpu_hop_ops", "skipped": "needs CUDA"}))
+        return
+    print(json.dumps(measure(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
