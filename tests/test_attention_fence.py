@@ -12,8 +12,8 @@ from pathlib import Path
 from afd_ctl.client import ControllerClient, WorkerSpec
 from afd_ctl.sim_worker import make_payload
 from afd_ctl.v1 import afd_pb2
-from tests.procs import Proc
-from tests.test_control_elastic import cli, sim, wait_status
+from tests.procs import Proc, afd_ctl
+from tests.test_control_elastic import sim, wait_status
 from vllm_ext.attention.fence import ScaleFence
 
 
@@ -35,7 +35,7 @@ def test_idle_attention_worker_fences_at_once_and_a_busy_one_between_steps(
             fence.step_closed()
 
         # Idle: the FENCE event fences it at once; the change completes with no step.
-        out = cli(daemon, "scale", "--attention", "1", "--ffn", "2")
+        out = afd_ctl(daemon.address, "scale", "--attention", "1", "--ffn", "2")
         assert out.returncode == 0, out.stderr
         sim(procs, tmp_path, daemon, "ffn", "f1", "--dp-rank", "1", "--dp-size", "2")
         done = wait_status(
@@ -55,7 +55,7 @@ def test_idle_attention_worker_fences_at_once_and_a_busy_one_between_steps(
         client.publish(make_payload(4, 1, 1))
         fence.published(4)
         client.flush(10)
-        out = cli(daemon, "scale", "--attention", "1", "--ffn", "1")
+        out = afd_ctl(daemon.address, "scale", "--attention", "1", "--ffn", "1")
         assert out.returncode == 0, out.stderr
         wait_status(daemon, "the fence", lambda s: s.change.phase == afd_pb2.ScaleChange.FENCE, 30)
         moved: list[object] = []

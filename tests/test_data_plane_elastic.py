@@ -18,8 +18,8 @@ import pytest
 
 from afd_data import AfdBadInput, Role, TransportConfig
 from afd_data.layout import BufferLayout
-from tests.procs import Proc
-from tests.test_control_elastic import cli, status, wait_status
+from tests.procs import Proc, afd_ctl
+from tests.test_control_elastic import status, wait_status
 from tests.test_data_plane import start_worker, wait_event
 
 SHAPE: dict[str, Any] = {"hidden_size": 64, "max_tokens_per_peer": 16, "dtype": "bfloat16"}
@@ -54,7 +54,7 @@ def steps_after(proc: Proc, t: float, timeout_s: float = 60.0) -> None:
 
 def scale(daemon: Any, attention: int, ffn: int, start=lambda: None, *flags: str) -> float:
     """`afd-ctl scale`, then the new workers; waits for the new epoch; returns its hold (s)."""
-    out = cli(daemon, "scale", "--attention", str(attention), "--ffn", str(ffn), *flags)
+    out = afd_ctl(daemon.address, "scale", "--attention", str(attention), "--ffn", str(ffn), *flags)
     assert out.returncode == 0, out.stderr
     start()
     done = wait_status(

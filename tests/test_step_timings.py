@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -25,7 +23,7 @@ from afd_ctl.step_reporter import StepReporter
 from afd_ctl.step_window import StepWindows, load_of
 from afd_ctl.trace import PendingTrace, align, check_trace_events, to_chrome
 from afd_ctl.v1 import afd_pb2
-from tests.procs import child_env, sim_worker
+from tests.procs import afd_ctl, sim_worker
 
 # The sims' model: per layer, attention 0.5 ms; FFN 0.1 ms + 6 us per token.
 T_A_MS, C0_MS, C1_US, LAYERS = 0.5, 0.1, 6.0, 4
@@ -222,16 +220,6 @@ def test_a_pending_trace_aligns_spans_and_names_who_did_not_answer():
     assert check_trace_events(to_chrome(result)) == []
 
 
-def cli(daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "afd_ctl.cli", *args, "--controller", daemon.address],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
-
-
 def test_status_advise_metrics_and_trace_against_simulated_workers(
     start_daemon, procs, tmp_path: Path
 ):
@@ -246,7 +234,7 @@ def test_status_advise_metrics_and_trace_against_simulated_workers(
     procs.append(attn)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        status = json.loads(cli(daemon, "status", "--json").stdout or "{}")
+        status = json.loads(afd_ctl(daemon.address, "status", "--json").stdout or "{}")
         loads = {load["worker_id"]: load for load in status.get("loads", [])}
         if len(loads) == 2 and min(int(x["steps"]) for x in loads.values()) >= 200:
             break
@@ -258,7 +246,7 @@ def test_status_advise_metrics_and_trace_against_simulated_workers(
     # Steps 1 and 2 are published as warm-up: the reports holding them are counted apart.
     assert int(a["warmup_steps"]) >= 2 and int(f["warmup_steps"]) >= 2, (a, f)
     assert 0 < a["utilisation"] <= 1 and 0 <= f["waiting_share"] < 1
-    text = cli(daemon, "status").stdout
+    text = afd_ctl(daemon.address, "status").stdout
     assert re.search(r"sim-ffn-0\s+ffn\s+-\s+\d+\s+\d+%\s+\d+%", text), text  # PATH: not said
     assert "WARM-UP" in text
 
@@ -273,7 +261,7 @@ def test_status_advise_metrics_and_trace_against_simulated_workers(
     firm = ("short window", "tokens per step barely varied")
     deadline = time.monotonic() + 30
     while True:
-        out = cli(daemon, "advise", "--json")
+        out = afd_ctl(daemon.address, "advise", "--json")
         assert out.returncode == 0, out.stderr
         advice = json.loads(out.stdout)
         if not any(n.startswith(firm) for n in advice.get("notes", [])):
@@ -298,7 +286,7 @@ def test_status_advise_metrics_and_trace_against_simulated_workers(
     assert advice["apply"].startswith(apply), advice["apply"]
     # The text run is a second call while the workers run on: its window (and so its best
     # candidate) may differ from the JSON's, so its apply line must match its own candidate.
-    text = cli(daemon, "advise").stdout
+    text = afd_ctl(daemon.address, "advise").stdout
     assert "bottleneck" in text, text
     said = re.search(
         r"^apply        (nothing: 1:1 already runs the best candidate|afd-ctl scale --attention "
@@ -309,7 +297,7 @@ def test_status_advise_metrics_and_trace_against_simulated_workers(
     assert said is not None and said[2] == said[3] != "1", text
 
     trace_file = tmp_path / "trace.json"
-    out = cli(daemon, "trace", "--steps", "5", "--out", str(trace_file))
+    out = afd_ctl(daemon.address, "trace", "--steps", "5", "--out", str(trace_file))
     assert out.returncode == 0, out.stderr
     doc = json.loads(trace_file.read_text())
     assert check_trace_events(doc) == []
@@ -333,12 +321,12 @@ def test_workers_that_do_not_report_still_work_and_advise_and_trace_say_why(
     attn = sim_worker(tmp_path / "attn.log", daemon.address, "attention", "--steps", "50")
     procs.append(attn)
     assert ffn.json_report(30)["received"] == 50
-    status = json.loads(cli(daemon, "status", "--json").stdout)
+    status = json.loads(afd_ctl(daemon.address, "status", "--json").stdout)
     assert status["loads"] == []
-    out = cli(daemon, "advise")
+    out = afd_ctl(daemon.address, "advise")
     assert out.returncode == 3
     assert "no attention worker reports step timings" in out.stderr
-    out = cli(daemon, "trace", "--steps", "3", "--out", str(tmp_path / "t.json"))
+    out = afd_ctl(daemon.address, "trace", "--steps", "3", "--out", str(tmp_path / "t.json"))
     assert out.returncode == 1
     assert "FAILED_PRECONDITION" in out.stderr
     assert "no worker reports step timings" in out.stderr or "incomplete" in out.stderr
@@ -399,7 +387,7 @@ def test_status_is_current_within_a_second_of_the_last_step(start_daemon, procs,
     for load in loads.values():
         assert load.warmup_steps >= 2 and load.steps >= 100, load  # steps 1-2 are warm-up
         assert load.compute_ms_per_step < 10, load  # serving steps only (model: 2 to 4 ms)
-    text = cli(daemon, "status").stdout
+    text = afd_ctl(daemon.address, "status").stdout
     row = re.search(r"^sim-ffn-0\s+ffn\s.*\s(\d+)\s*$", text, re.M)
     assert row is not None and int(row[1]) == loads["sim-ffn-0"].warmup_steps, text
 
@@ -425,14 +413,14 @@ def test_trace_on_an_idle_pair_says_so_within_seconds(start_daemon, procs, tmp_p
     procs.append(sim_worker(tmp_path / "attn.log", daemon.address, "attention", *common))
     assert ffn.json_report(30)["received"] == 60  # every step ran; the pair is idle now
     start = time.monotonic()
-    out = cli(daemon, "trace", "--steps", "3", "--out", str(tmp_path / "t.json"))
+    out = afd_ctl(daemon.address, "trace", "--steps", "3", "--out", str(tmp_path / "t.json"))
     took = time.monotonic() - start
     assert out.returncode == 1, out
     assert "FAILED_PRECONDITION: no step ran for 5 s" in out.stderr and "idle" in out.stderr
     assert out.stderr.count("\n") == 1, out.stderr
     assert took < 12, took
     # The slot is free again: the next trace is not "already being recorded".
-    out = cli(daemon, "trace", "--steps", "3", "--out", str(tmp_path / "t.json"))
+    out = afd_ctl(daemon.address, "trace", "--steps", "3", "--out", str(tmp_path / "t.json"))
     assert "already being recorded" not in out.stderr and "idle" in out.stderr
 
 
