@@ -636,7 +636,7 @@ def main() -> None:
         type=int,
         default=256,
         help="GPU: routed experts per MoE layer of the V3-shaped model (fewer: deeper models "
-        "fit two engines on one GPU, e.g. 128 for a 2/3/4-layer fit)",
+        "fit two engines on one GPU, e.g. 128 for a 2/3/4-layer fit, 16 for 8/16 layers)",
     )
     il.add_argument("--log-dir", default="", help="keep every process's log of each run here")
     il.add_argument(

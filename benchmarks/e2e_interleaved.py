@@ -309,6 +309,8 @@ def paced_by(runs: list[dict[str, Any]], part: str, batch: int) -> str:
         rows = run.get("timelines", {}).get(part, {}).get("by_rows", {}).get(str(batch), {})
         lead = rows.get("host_lead_ms")
         paces.add("" if lead is None else ("host" if lead < 0 else "gpu"))
+    if len(paces) > 1:
+        paces.discard("")  # a call without a timeline row says nothing against the others
     return paces.pop() if len(paces) == 1 else "mixed"
 
 
@@ -347,7 +349,11 @@ def depth_fit(depths: dict[int, list[dict[str, Any]]], part: str, batch: int) ->
 
 
 def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
-    """The JSON of every depth's calls (`depths`: each depth's runs, one per call)."""
+    """The JSON of every depth's calls (`depths`: each depth's runs, one per call). With several
+    calls a row's figures are means over the calls that ran its batch with every part; what
+    only one call can give (threads, exchange, timeline, profiles) is the last call's
+    (`details_from_call`), and the calls' settings are listed where they differ."""
+    several = any(len(runs) > 1 for runs in depths.values())
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, Any] = {
         "benchmark": "e2e_decode",
@@ -361,7 +367,12 @@ def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]])
         "parts": parts_of(args),
         "interleaved": "A, B then B, A per repeat, every engine up at once",
         "interval": "95% bootstrap of the ratio of medians"
-        + (", mean over calls, calls resampled too" if max(map(len, depths.values())) > 1 else ""),
+        + (
+            "; over several calls, the wider of a t interval over the calls' figures and a "
+            "bootstrap of calls and repeats"
+            if several
+            else ""
+        ),
         "interval_bound": args.interval_bound,
     }
     if args.gpu:
@@ -374,19 +385,28 @@ def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]])
         result["prompt_tokens"], result["max_model_len"] = args.prompt_tokens, model_len(args)
     refusals = []
     for depth, runs in sorted(depths.items()):
-        run = runs[-1]  # threads, exchange and timeline: the last call's
+        run = runs[-1]
         parts = list(run["tpot_ms"])
         rows: dict[str, Any] = {}
+        if len(runs) > 1:
+            rows["details_from_call"] = len(runs)
+            differ = settings_that_differ(runs)
+            if differ:
+                rows["settings_differ"] = differ
         for b in batches:
-            calls = [{p: r["tpot_ms"][p][b] for p in parts} for r in runs]
+            calls = [
+                {p: r["tpot_ms"][p][b] for p in parts}
+                for r in runs
+                if all(b in r["tpot_ms"].get(p, {}) for p in parts)
+            ]
+            if not calls:
+                continue
             tpot = calls[-1]
             row: dict[str, Any] = {
-                f"tpot_ms_{p}": round(
-                    statistics.fmean(sorted(c[p])[len(c[p]) // 2] for c in calls), 3
-                )
+                f"tpot_ms_{p}": round(statistics.fmean(statistics.median(c[p]) for c in calls), 3)
                 for p in parts
             }
-            if len(calls) > 1:
+            if len(runs) > 1:
                 row["calls"] = len(calls)
             for i, earlier in enumerate(parts):
                 for later in parts[i + 1 :]:
@@ -418,8 +438,9 @@ def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]])
             for key, profile in run.get("profiles", {}).items():
                 if key.startswith(f"{p}_host_profile"):
                     rows[key] = profile
-            if run["reports"][p].get("retried_repeats"):
-                rows[f"{p}_retried_repeats"] = run["reports"][p]["retried_repeats"]
+            retried = [r["reports"].get(p, {}).get("retried_repeats") for r in runs]
+            if any(retried):
+                rows[f"{p}_retried_repeats"] = retried[-1] if len(runs) == 1 else retried
         result[f"layers_{depth}"] = rows
     last = [runs[-1] for runs in depths.values()]
     afd_parts = [p for p in AFD_PARTS if all(p in r["tpot_ms"] for r in last)]
@@ -427,10 +448,32 @@ def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]])
     if len(depths) >= 2 and colocated_in_all:
         for p in afd_parts:
             for b in batches:
-                result[f"fit_{p}_batch_{b}"] = depth_fit(depths, p, b)
+                having = {
+                    d: [r for r in runs if b in r["tpot_ms"].get(p, {})
+                        and b in r["tpot_ms"].get("colocated", {})]
+                    for d, runs in depths.items()
+                }  # fmt: skip
+                having = {d: runs for d, runs in having.items() if runs}
+                if len(having) >= 2:
+                    result[f"fit_{p}_batch_{b}"] = depth_fit(having, p, b)
     if refusals:
         result["refused"] = refusals
     return result
+
+
+SETTINGS = ("cudagraph_mode", "kv_cache_bytes", "experts", "prompt_tokens", "tokens", "batches")
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run was asked to do, kept with it in --state (calls pooled later are compared)."""
+    return {k: getattr(args, k) for k in SETTINGS if hasattr(args, k)}
+
+
+def settings_that_differ(runs: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Each setting the pooled calls were not all run with alike: its value per call (None for
+    a run from before settings were kept)."""
+    per_key = {k: [r.get("settings", {}).get(k) for r in runs] for k in SETTINGS}
+    return {k: v for k, v in per_key.items() if len({json.dumps(x) for x in v}) > 1}
 
 
 def keep_logs(args: argparse.Namespace, tmp: Path, run: str) -> None:
@@ -498,6 +541,7 @@ def main(args: argparse.Namespace) -> int:
             p: {str(b): v for b, v in per.items()} for p, per in run["tpot_ms"].items()
         }
         run["wall_s"] = round(time.monotonic() - started, 1)
+        run["settings"] = run_settings(args)
         state[key] = run
         state_path.write_text(json.dumps(state))
         ran += 1
@@ -511,7 +555,7 @@ def main(args: argparse.Namespace) -> int:
     if args.gpu:
         result.update(gpu_setup.mps_state(args.mps))
     result["depths_missing"] = [d for d in wanted if d not in depths]
-    if calls > 1:
+    if any(len(runs) > 1 for runs in depths.values()) or calls > 1:
         result["calls_per_depth"] = {str(d): len(depths.get(d, [])) for d in wanted}
     print(json.dumps(result), flush=True)
     return 3 if "refused" in result else 0

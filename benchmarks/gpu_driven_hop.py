@@ -106,7 +106,7 @@ def _work(args: argparse.Namespace, device: str) -> Any:
     if not args.work_mib:
         return lambda x, r: x * 2
     cols = max(1, args.work_mib * 2**20 // (args.hidden * 2))
-    weight = torch.randn(args.hidden, cols, device=device).to(torch.bfloat16)
+    weight = torch.randn(args.hidden, cols, device=device, dtype=torch.bfloat16)
     scratch = torch.empty(args.rows, cols, device=device, dtype=torch.bfloat16)
 
     def compute(x: Any, router: Any) -> Any:

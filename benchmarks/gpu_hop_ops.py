@@ -3,7 +3,8 @@
 The hop's round trip (benchmarks/gpu_driven_hop.py: 18-20 µs on one H100 or H200 under MPS) is
 a chain of stream operations (afd_data.gpu_protocol): per layer three copies
 (`cuMemcpyDtoDAsync`: the attention side into its send slot, the FFN side pulling it, the FFN
-side pushing its output back), one copy kernel (the attention side's `copy_` of the output), four
+side pushing its output back), the attention side's `copy_` of the output (torch sends a
+contiguous same-dtype copy to `cudaMemcpyAsync` too: a fourth copy), four
 `cuStreamWriteValue32` (two flags raised, two reset; each with the memory barrier, the only kind
 the H200 driver takes) and two `cuStreamWaitValue32`, plus the crossing between the processes.
 This times each kind alone, `--ops` of it back to back in one captured graph, so the chain's
@@ -14,7 +15,9 @@ budget can be split before anything in it is changed:
   late);
 - `write_wait`: a write and then a wait on that word (one handover within a stream);
 - `memcpy_{rows}`: `cuMemcpyDtoDAsync` of `rows` x `--hidden` bf16;
-- `copy_kernel_{rows}`: torch's `copy_` of the same bytes (a kernel, not the copy engine);
+- `torch_copy_{rows}`: torch's `copy_` of the same bytes (the hop's own last copy);
+- `copy_kernel_{rows}`: the same bytes through a kernel (`torch.mul(src, 1, out=dst)`), what a
+  copy done by the SMs instead would cost;
 - `tiny_kernel`: the smallest kernel (one element), a graph node's floor.
 
 Prints one JSON line last (µs per operation, the median over `--replays`).
@@ -83,13 +86,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "tiny_kernel": lambda: one.add_(1.0),
     }
     for rows in [int(r) for r in args.rows.split(",")]:
-        src = torch.randn(rows, args.hidden, device="cuda:0").to(torch.bfloat16)
+        src = torch.randn(rows, args.hidden, device="cuda:0", dtype=torch.bfloat16)
         dst = torch.empty_like(src)
         nbytes = src.numel() * src.element_size()
         kinds[f"memcpy_{rows}"] = lambda s=src, d=dst, n=nbytes: cuda.copy(
             stream(), int(d.data_ptr()), int(s.data_ptr()), n
         )
-        kinds[f"copy_kernel_{rows}"] = lambda s=src, d=dst: d.copy_(s)
+        kinds[f"torch_copy_{rows}"] = lambda s=src, d=dst: d.copy_(s)
+        kinds[f"copy_kernel_{rows}"] = lambda s=src, d=dst: torch.mul(s, 1, out=d)
     result: dict[str, Any] = {
         "benchmark": "gpu_hop_ops",
         "device": torch.cuda.get_device_name(0),

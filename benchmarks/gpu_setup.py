@@ -63,15 +63,17 @@ V3_EXPERTS = 256
 
 def v3_shaped_config(layers: int, experts: int = V3_EXPERTS, max_len: int = 4096) -> dict[str, Any]:
     """DeepSeek-V3's layer shapes (its real vocabulary size too: the LM head is part of a step).
-    `experts` below V3's 256 (a multiple of its 8 expert groups, at least 64) shrinks each MoE
-    layer's weights alike for every part, so deeper models fit two engines on one GPU.
+    `experts` below V3's 256 (a multiple of its 8 expert groups, at least 16: 8 groups of 2, of
+    which the top 4 groups' 8 experts hold every token's top 8) shrinks each MoE layer's weights
+    alike for every part, so deeper models fit two engines on one GPU (issue 33's fit over a
+    wide depth span: 16 experts, 8 and 16 layers).
     `max_len` past 4096 raises the positions the model takes (long prompts: vLLM refuses a
     max_model_len above the config's)."""
     from vllm_ext.testing.tiny_deepseek import config_for
 
-    if experts % 8 or not 64 <= experts <= V3_EXPERTS:
+    if experts % 8 or not 16 <= experts <= V3_EXPERTS:
         raise ValueError(
-            f"--experts {experts}: give a multiple of 8 (V3's expert groups) in 64..{V3_EXPERTS}"
+            f"--experts {experts}: give a multiple of 8 (V3's expert groups) in 16..{V3_EXPERTS}"
         )
 
     config = config_for(3, head_dim=128)

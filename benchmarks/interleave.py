@@ -11,9 +11,12 @@ order hit both alike. What is compared comes with an interval instead of a refus
 - `layer_fit`: what AFD adds per step and per layer, from the added TPOT at two depths or more (least squares)
   (added(L) = a + b * L), each with its bootstrap interval;
 - `calls_ratio_interval` and `calls_layer_fit`: the same over several calls (each its own
-  engine starts): the calls are resampled too, so an interval holds where a start lands, which
-  one call's repeats cannot show (2026-12-07 H100: three calls' 4-layer ratios 1.013-1.024,
-  each interval 0.003 wide).
+  engine starts), the mean of the calls' figures: where a start lands moves a call's figure by
+  more than its repeats show (2026-12-07 H100: two 4-layer calls' ratios 1.013 and 1.023, each
+  interval 0.003 wide). The interval is the wider of a Student t interval over the calls'
+  figures (their spread, n - 1 degrees of freedom: with two calls t is 12.7, as wide as two
+  calls honestly allow) and a bootstrap that resamples the calls, then their repeats (which
+  alone covers the mean of few calls far less often than 95%: it returns about their range).
 
 A run is refused only for nonsense (non-positive figures, mismatched counts, late compiles:
 decode_runner refuses those) or when an interval is wider than the bound the caller states.
@@ -179,6 +182,20 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], seed: int = 0) ->
     return Interval(value, *_percentiles(samples))
 
 
+# Student t's 97.5% quantile by degrees of freedom (1-30; beyond, 30's: a little wide).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def t975(df: int) -> float:
+    return _T975[min(df, len(_T975)) - 1]
+
+
+def _widest(value: float, *intervals: tuple[float, float]) -> Interval:
+    return Interval(value, min(lo for lo, _ in intervals), max(hi for _, hi in intervals))
+
+
 def _ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return statistics.median(num) / statistics.median(den)
 
@@ -191,12 +208,15 @@ def _resample(rng: random.Random, xs: Sequence[float]) -> list[float]:
 
 
 def calls_ratio_interval(calls: Sequence[Call], seed: int = 0) -> Interval:
-    """The mean over calls of each call's median(num) / median(den), with a bootstrap interval
-    that resamples the calls, then each picked call's repeats. One call: `ratio_interval`."""
+    """The mean over calls of each call's median(num) / median(den); its interval the wider of
+    a t interval over the calls' ratios and a bootstrap resampling the calls, then each picked
+    call's repeats. One call: `ratio_interval`."""
     if len(calls) == 1:
         return ratio_interval(*calls[0], seed=seed)
     rng = random.Random(seed)
-    value = statistics.fmean(_ratio(num, den) for num, den in calls)
+    ratios = [_ratio(num, den) for num, den in calls]
+    value = statistics.fmean(ratios)
+    half = t975(len(ratios) - 1) * statistics.stdev(ratios) / len(ratios) ** 0.5
     samples = [
         statistics.fmean(
             _ratio(_resample(rng, num), _resample(rng, den))
@@ -204,13 +224,14 @@ def calls_ratio_interval(calls: Sequence[Call], seed: int = 0) -> Interval:
         )
         for _ in range(BOOTSTRAP)
     ]
-    return Interval(value, *_percentiles(samples))
+    return _widest(value, _percentiles(samples), (value - half, value + half))
 
 
 def calls_layer_fit(calls: dict[int, Sequence[Call]], seed: int = 0) -> tuple[Interval, Interval]:
     """`layer_fit` where a depth has several calls, each `(afd repeats, colocated repeats)`:
-    added(L) is the mean of its calls' added TPOT; the bootstrap resamples each depth's calls,
-    then their repeats. One call per depth: `layer_fit`."""
+    added(L) is the mean of its calls' added TPOT. Each interval is the wider of a t interval
+    (the calls' spread about their depth's mean, pooled over the depths) and a bootstrap
+    resampling each depth's calls, then their repeats. One call per depth: `layer_fit`."""
     if all(len(c) == 1 for c in calls.values()):
         return layer_fit(
             {d: c[0][0] for d, c in calls.items()}, {d: c[0][1] for d, c in calls.items()}, seed
@@ -227,6 +248,12 @@ def calls_layer_fit(calls: dict[int, Sequence[Call]], seed: int = 0) -> tuple[In
         }
 
     step, layer = _line(added(calls, statistics.median))
+    t_step, t_layer = _line_t_halves(
+        {
+            d: [1e3 * (statistics.median(a) - statistics.median(c)) for a, c in calls[d]]
+            for d in depths
+        }
+    )
     boots = [
         _line(
             added(
@@ -237,9 +264,28 @@ def calls_layer_fit(calls: dict[int, Sequence[Call]], seed: int = 0) -> tuple[In
         for _ in range(BOOTSTRAP)
     ]
     return (
-        Interval(step, *_percentiles([b[0] for b in boots])),
-        Interval(layer, *_percentiles([b[1] for b in boots])),
+        _widest(step, _percentiles([b[0] for b in boots]), (step - t_step, step + t_step)),
+        _widest(layer, _percentiles([b[1] for b in boots]), (layer - t_layer, layer + t_layer)),
     )
+
+
+def _line_t_halves(added: dict[int, list[float]]) -> tuple[float, float]:
+    """The t intervals' half-widths of `_line`'s (intercept, slope) through the depths' mean
+    added time, from the calls' variance about their depth's mean (pooled over the depths)."""
+    depths = sorted(added)
+    df = sum(len(added[d]) - 1 for d in depths)
+    sq = sum((x - statistics.fmean(added[d])) ** 2 for d in depths for x in added[d])
+    var = sq / df
+    mean_depth = sum(depths) / len(depths)
+    spread = sum((L - mean_depth) ** 2 for L in depths)
+    slope_w = {L: (L - mean_depth) / spread for L in depths}
+    step_w = {L: 1 / len(depths) - mean_depth * slope_w[L] for L in depths}
+    t = t975(df)
+
+    def half(w: dict[int, float]) -> float:
+        return t * (var * sum(w[L] ** 2 / len(added[L]) for L in depths)) ** 0.5
+
+    return half(step_w), half(slope_w)
 
 
 def _line(added: dict[int, float]) -> tuple[float, float]:

@@ -383,7 +383,30 @@ def test_several_calls_per_depth_give_means_whose_intervals_hold_the_start_offse
     ]
     assert row["tpot_ms_afd"] == pytest.approx((6.804 + 6.744) / 2, abs=1e-3)
     assert result["fit_afd_batch_16"]["per_layer_added_us"] == pytest.approx(layer.value, abs=0.1)
-    assert "calls resampled" in result["interval"]
+    assert "t interval over the calls" in result["interval"]
+    # Two calls' interval is a t interval with one degree of freedom: far wider than their
+    # range (a bootstrap of two calls returns about their range, and covers their mean far
+    # less often than 95%).
+    spread = abs(one[0].value - one[1].value)
+    assert both.high - both.low > 5 * spread
+    # Calls that ran other settings are pooled and said to differ; a call without a batch
+    # is left out of that batch's row and fit; one call's missing timeline row does not
+    # make its depth's pacing "mixed".
+    runs = {d: [run(c) for c in cs] for d, cs in fit.items()}
+    runs[4][0]["settings"] = {"kv_cache_bytes": 1 << 30, "batches": "16"}
+    runs[4][1]["settings"] = {"kv_cache_bytes": 2 << 30, "batches": "16,64"}
+    runs[4][1]["tpot_ms"]["colocated"][64] = [7.6] * 9
+    runs[4][1]["tpot_ms"]["afd"][64] = [7.7] * 9
+    runs[6][1]["timelines"] = {"afd": {"by_rows": {"16": {"host_lead_ms": 2.0}}}}
+    args.batches = "16,64"
+    result = summarise(args, runs)
+    assert result["layers_4"]["settings_differ"] == {
+        "kv_cache_bytes": [1 << 30, 2 << 30],
+        "batches": ["16", "16,64"],
+    }
+    assert result["layers_4"]["batch_64"]["calls"] == 1
+    assert "batch_64" not in result["layers_6"] and "fit_afd_batch_64" not in result
+    assert result["fit_afd_batch_16"]["paced_by"] == {"4": "unknown", "6": "gpu"}
 
 
 def test_expected_distinct_experts_under_uniform_routing() -> None:
@@ -467,7 +490,8 @@ def test_the_v3_shaped_model_can_have_fewer_experts_so_deeper_models_fit_two_eng
     # long prompts (dual-batch overlap's runs) raise the positions the model takes
     assert config["max_position_embeddings"] == 4096
     assert v3_shaped_config(4, 64, 16528)["max_position_embeddings"] == 16528
-    for bad in (100, 32, 512):
+    assert v3_shaped_config(16, 16)["n_routed_experts"] == 16  # the wide depth span's fit
+    for bad in (100, 8, 12, 512):
         with pytest.raises(ValueError, match="multiple of 8"):
             v3_shaped_config(4, bad)
 
