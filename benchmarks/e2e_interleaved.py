@@ -14,9 +14,10 @@ wider than `--interval-bound` (relative) first gets more repeats of its batch si
 then refuses the run, naming it;
 everything else decode_runner refuses stays refused. With `--calls-per-depth K` each depth is run
 K times, each its own engine starts (with `--one-depth-per-call`, one call of the run each, in
-the order 4, 6, 6, 4 ...): ratios and the fit are then the means over calls, their intervals
-resampling the calls as well as the repeats, so they hold where a start lands (a call's own
-interval does not: 2026-12-07, one H100, three 4-layer calls 1.013-1.024 apart, each 0.003 wide).
+the order 4, 6, 6, 4 ...): ratios and the fit are then the means over calls, each interval the
+wider of a t interval over the calls and a bootstrap of calls and repeats, so it holds where a
+start lands (a call's own interval does not: 2026-12-07, one H100, two 4-layer calls 1.013 and
+1.023, each interval 0.003 wide).
 
 `--part` picks the parts (default `colocated,afd`): `afd_dbo` is an AFD pair whose attention
 engine runs dual-batch overlap (`--enable-dbo`, vLLM's decode threshold), GPU only (vLLM's

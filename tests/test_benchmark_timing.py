@@ -325,7 +325,7 @@ def test_depth_fit_only_fits_depths_of_one_pacing() -> None:
 
 
 def test_several_calls_per_depth_give_means_whose_intervals_hold_the_start_offset() -> None:
-    """Three 4-layer calls on one H100 (2026-12-07) gave 1.013-1.024, each interval 0.003 wide:
+    """Two 4-layer calls on one H100 (2026-12-07) gave 1.013 and 1.023, each interval 0.003 wide:
     over calls, the ratio is their mean and its interval spans them; the fit averages each
     depth's calls; the calls run 4, 6, then 6, 4, each under its own key in --state."""
     import argparse
