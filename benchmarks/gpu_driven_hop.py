@@ -39,6 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_hop_ops import per_op_us, replay_us  # noqa: E402
+
 
 def _transport(role: str, device: str, args: argparse.Namespace) -> Any:
     from afd_data import NixlTransport, TransportConfig
@@ -179,15 +181,7 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
                 for layer in range(args.layers):
                     gpu.send((start + layer) % args.layers, 0, hidden, None, _stream())
                     gpu.take((start + layer) % args.layers, 0, out, _stream())
-            per_rt = []
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(args.replays + 1):
-                begin.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                per_rt.append(begin.elapsed_time(end) * 1e3 / args.layers)
-            per_rt = per_rt[1:]
+            per_rt = replay_us(graph, args.layers, args.replays)
             result.update(
                 graph_rt_p50_us=round(statistics.median(per_rt), 2),
                 graph_rt_min_us=round(min(per_rt), 2),
@@ -210,25 +204,10 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _work_alone(args: argparse.Namespace, hidden: Any, out: Any, rt_us: float) -> dict[str, Any]:
-    """The FFN's compute of every layer in one process's graph, with no exchange."""
-    import torch
-
+    """The FFN's compute of every layer in one process's graph, with no exchange (`per_op_us`
+    warms it up, so cuBLAS makes its handle outside the capture)."""
     compute = _work(args, "cuda:0")
-    out.copy_(compute(hidden, None))  # cuBLAS makes its handle here, not inside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(args.layers):
-            out.copy_(compute(hidden, None))
-    per_layer = []
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(args.replays + 1):
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_layer.append(begin.elapsed_time(end) * 1e3 / args.layers)
-    alone = statistics.median(per_layer[1:])
+    alone = per_op_us(lambda: out.copy_(compute(hidden, None)), args.layers, args.replays)
     return {
         "work_mib": args.work_mib,
         "work_alone_per_layer_us": round(alone, 2),

@@ -39,9 +39,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def replay_us(graph: Any, per: int, replays: int) -> list[float]:
+    """µs per each of the `per` operations a captured graph holds, one figure per replay timed
+    with CUDA events (`replays` of them, after a first untimed one)."""
+    import torch
+
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays + 1):
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / per)
+    return times[1:]
+
+
 def per_op_us(enqueue: Callable[[], None], ops: int, replays: int) -> float:
     """The median time of one operation: `enqueue` issues one, `ops` of them are captured in a
-    graph, and each replay is timed with CUDA events."""
+    graph, and each replay is timed (`replay_us`)."""
     import torch
 
     enqueue()  # lazy initialisations (cuBLAS, allocator) outside the capture
@@ -50,15 +66,7 @@ def per_op_us(enqueue: Callable[[], None], ops: int, replays: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(ops):
             enqueue()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays + 1):
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / ops)
-    return statistics.median(times[1:])
+    return statistics.median(replay_us(graph, ops, replays))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
