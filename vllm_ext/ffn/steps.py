@@ -19,6 +19,12 @@ from vllm_ext.metrics import FfnMetrics
 log = logging.getLogger(__name__)
 
 STAT_WINDOW = 1000
+# Served steps logged with their split: the first few (a start-up's compiles and first
+# shapes), then every LOG_EVERY-th, and any whose wait or compute took SLOW_STEP_S or more
+# (a compile or a stall inside serving: what a peer's "no outputs within" bound then shows).
+FIRST_STEPS_LOGGED = 4
+LOG_EVERY = 1000
+SLOW_STEP_S = 1.0
 
 
 class FfnSteps:
@@ -76,13 +82,20 @@ class FfnSteps:
         self.steps += 1
         self.two_stage_steps += step.stages > 1
         self.two_stage_replays += step.stages > 1 and step.flags.is_graph_replaying
-        if self.steps == 1 or self.steps % 1000 == 0:
+        slow = max(split.recv_s, split.compute_s, split.send_s) >= SLOW_STEP_S
+        if self.steps <= FIRST_STEPS_LOGGED or self.steps % LOG_EVERY == 0 or slow:
             log.info(
-                "afd ffn %s: %d steps served (last %d, %s)",
+                "afd ffn %s: %d steps served (last %d, %d rows, %s: waited %.3f s, "
+                "computed %.3f s, sent %.3f s)%s",
                 self.worker_id,
                 self.steps,
                 step.step_id,
+                step.rows(),
                 exchange.path,
+                split.recv_s,
+                split.compute_s,
+                split.send_s,
+                " (a slow step)" if slow else "",
             )
         if profiler is not None:
             profiler.step(step.step_id)
