@@ -7,11 +7,13 @@
 # e2e_il of one depth (4 layers, --experts 128, two parts) 145-205 s once the machine is warm
 # (set E2E_S to 300 or more per depth: 175 s was too short); the dbo check group in one mode 184 s.
 #
-# The kit's transfers (the run tool carries at most 64 MiB with the tree, ~8 MB): after
-# make_kit.sh, `python3 tests/gpu/recut_kit.py .kit` re-cuts it so six calls carry it, back to
-# back, each starting with `mkdir -p /tmp/kit && cp -a .kit/. /tmp/kit/`: .kit/pa with the
-# scripts (.kit/install.sh gen.py gpu_test.sh tiny_model.py SHA256SUMS MANIFEST.txt
-# py_spy.whl), pb, pc, pd, pe, then pf (NIXL) with this script (it installs).
+# The kit's transfers (the run tool carries at most 64 MiB with the tree, ~9 MB): after
+# make_kit.sh, and again after committing results, `python3 tests/gpu/recut_kit.py .kit` packs
+# it into as few folders as fit (five, .kit/pa .. pe, at 9 MB of tree) and prints what each
+# call carries; the calls go back to back, each starting with `mkdir -p /tmp/kit && cp -a
+# .kit/. /tmp/kit/`: .kit/pa with the scripts (.kit/install.sh gen.py gpu_test.sh
+# tiny_model.py SHA256SUMS MANIFEST.txt py_spy.whl), then each other folder alone, the last
+# with this script (it installs). Each transfer costs ~5 s of device time once warm.
 # py-spy for --host-profile-batch: python3 -c "import zipfile;
 # zipfile.ZipFile('/tmp/kit/py_spy.whl').extract('py_spy-0.4.3.data/scripts/py-spy', '/tmp/pyspy')"
 # then chmod +x it and pass --py-spy /tmp/pyspy/py_spy-0.4.3.data/scripts/py-spy.
