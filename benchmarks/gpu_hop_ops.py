@@ -18,7 +18,15 @@ budget can be split before anything in it is changed:
 - `torch_copy_{rows}`: torch's `copy_` of the same bytes (the hop's own last copy);
 - `copy_kernel_{rows}`: the same bytes through a kernel (`torch.mul(src, 1, out=dst)`), what a
   copy done by the SMs instead would cost;
-- `tiny_kernel`: the smallest kernel (one element), a graph node's floor.
+- `tiny_kernel`: the smallest kernel (one element), a graph node's floor;
+- what could replace a flag write (benchmarks/hop_kernels.py): `memset_flag` (a one-word
+  `cuMemsetD32Async`), `fill_flag` (torch's `fill_` of the word: a kernel), `store_flag` (a
+  Triton kernel's system-scope release store); and per size the copy with its flag as today
+  (`memcpy_write_{rows}`: `cuMemcpyDtoDAsync` then `cuStreamWriteValue32`), as a copy then a
+  kernel (`memcpy_fill_{rows}`), and as one Triton kernel (`copy_then_flag_{rows}`).
+
+A kind that fails (a driver that refuses an operation in a graph, no Triton) is reported as
+`{name}_error` and the others are still timed.
 
 Prints one JSON line last (µs per operation, the median over `--replays`).
 
@@ -92,6 +100,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "wait_met": lambda: cuda.wait_geq(stream(), flag + 8, 0),
         "write_wait": write_wait,
         "tiny_kernel": lambda: one.add_(1.0),
+        "memset_flag": lambda: cuda.memset32(stream(), flag + 12, 1, 1),
+        "fill_flag": lambda: words[4:5].fill_(1),
+        "store_flag": lambda: _kernels().store_flag(words[5:6], 1),
     }
     for rows in [int(r) for r in args.rows.split(",")]:
         src = torch.randn(rows, args.hidden, device="cuda:0", dtype=torch.bfloat16)
@@ -102,6 +113,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         kinds[f"torch_copy_{rows}"] = lambda s=src, d=dst: d.copy_(s)
         kinds[f"copy_kernel_{rows}"] = lambda s=src, d=dst: torch.mul(s, 1, out=d)
+
+        def memcpy_write(s: Any = src, d: Any = dst, n: int = nbytes) -> None:
+            cuda.copy(stream(), int(d.data_ptr()), int(s.data_ptr()), n)
+            cuda.write(stream(), flag + 24, 1)
+
+        def memcpy_fill(s: Any = src, d: Any = dst, n: int = nbytes) -> None:
+            cuda.copy(stream(), int(d.data_ptr()), int(s.data_ptr()), n)
+            words[7:8].fill_(1)
+
+        kinds[f"memcpy_write_{rows}"] = memcpy_write
+        kinds[f"memcpy_fill_{rows}"] = memcpy_fill
+        kinds[f"copy_then_flag_{rows}"] = lambda s=src, d=dst: _kernels().copy_then_flag(
+            s, d, words[8:9], words[9:10], 1
+        )
     result: dict[str, Any] = {
         "benchmark": "gpu_hop_ops",
         "device": torch.cuda.get_device_name(0),
@@ -112,8 +137,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "replays": args.replays,
     }
     for name, enqueue in kinds.items():
-        result[f"{name}_us"] = round(per_op_us(enqueue, args.ops, args.replays), 2)
+        try:
+            result[f"{name}_us"] = round(per_op_us(enqueue, args.ops, args.replays), 2)
+        except Exception as exc:  # one kind's failure must not lose the others' figures
+            result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
     return result
+
+
+def _kernels() -> Any:
+    """benchmarks/hop_kernels.py, imported when first used (it needs Triton)."""
+    from benchmarks import hop_kernels
+
+    return hop_kernels
 
 
 def main() -> None:

@@ -41,7 +41,8 @@ for step in "$@"; do
         > "$OUT/hop.txt" 2>&1 || rc=1
       tail -3 "$OUT/hop.txt" | cut -c1-1500 ;;
     hop_parts)
-      # Issue 33: what each kind of stream operation in the hop costs in a graph, and what the
+      # Issue 33: what each kind of stream operation in the hop costs in a graph (and the
+      # candidate flag kernels of benchmarks/hop_kernels.py), and what the
       # hop adds to a layer with real FFN work (a 4 GiB bandwidth-bound GEMM) at 16 and 64 rows.
       # (about 150 s in all: give device_call.sh 300.)
       timeout 60 python3 "$ROOT/benchmarks/gpu_hop_ops.py" $mps > "$OUT/hop_ops.txt" 2>&1 || rc=1
