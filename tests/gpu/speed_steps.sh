@@ -45,7 +45,7 @@ for step in "$@"; do
       # candidate flag kernels of benchmarks/hop_kernels.py), and what the
       # hop adds to a layer with real FFN work (a 4 GiB bandwidth-bound GEMM) at 16 and 64 rows.
       # (about 150 s in all: give device_call.sh 300.)
-      timeout 60 python3 "$ROOT/benchmarks/gpu_hop_ops.py" $mps > "$OUT/hop_ops.txt" 2>&1 || rc=1
+      timeout 120 python3 "$ROOT/benchmarks/gpu_hop_ops.py" $mps > "$OUT/hop_ops.txt" 2>&1 || rc=1
       tail -1 "$OUT/hop_ops.txt" | cut -c1-1500
       for rows in 16 64; do
         timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 100 \
