@@ -45,6 +45,7 @@ from afd_data.gpu_protocol import (
     choose_path,
     epoch_tag,
     ffn_ops,
+    flag_write_setting,
     gpu_hop_setting,
     one_path,
 )
@@ -90,6 +91,7 @@ class GpuHop:
         self._hidden_row = self.config.hidden_size * self.config.itemsize
         self._router_row = self.config.router_width * self.config.router_itemsize
         self._views: dict[tuple[int, int, int, str], Any] = {}
+        self.flag_writes = flag_write_setting()
 
     @property
     def path(self) -> str:
@@ -224,7 +226,7 @@ class GpuHop:
                     stream, self._addr(op.dst, inputs), self._addr(src, inputs), op.rows * row
                 )
             elif isinstance(op, Write):
-                cuda.write(stream, self._addr(op.flag, inputs), op.value, op.barrier)
+                write_flag(cuda, stream, self._addr(op.flag, inputs), op, self.flag_writes)
             elif isinstance(op, Wait):
                 cuda.wait_geq(stream, self._addr(op.flag, inputs), op.value)
             elif isinstance(op, Compute):
@@ -327,3 +329,11 @@ class GpuHop:
 
     def close(self) -> None:
         self._close_mappings()
+
+
+def write_flag(cuda: Any, stream: int, addr: int, op: Write, how: str) -> None:
+    """One flag word raised or reset on `stream`, as AFD_DATA_GPU_FLAG_WRITES says."""
+    if how == "memset":
+        cuda.memset32(stream, addr, op.value, 1)
+    else:
+        cuda.write(stream, addr, op.value, op.barrier)

@@ -44,6 +44,12 @@ GPU, NIXL = "gpu", "nixl"
 # AFD_DATA_GPU_HOP: "auto" (the GPU path between peers on one host whose buffers are CUDA
 # memory), "off" (always NIXL).
 GPU_HOP_SETTINGS = ("auto", "off")
+# AFD_DATA_GPU_FLAG_WRITES: how the GPU path raises and resets its flags. "stream" (the
+# default): `cuStreamWriteValue32` with its memory barrier (1.96 µs in a graph on one H100);
+# "memset": a one-word `cuMemsetD32Async` after the copies in stream order (what poison uses),
+# a candidate to measure against it (benchmarks/gpu_hop_ops.py's memset_flag) before it becomes
+# the default. Both sides may differ: a flag is a word either way.
+FLAG_WRITE_SETTINGS = ("stream", "memset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +240,15 @@ def gpu_hop_setting() -> str:
     if value not in GPU_HOP_SETTINGS:
         raise ValueError(
             f"AFD_DATA_GPU_HOP={value!r}: expected one of {', '.join(GPU_HOP_SETTINGS)}"
+        )
+    return value
+
+
+def flag_write_setting() -> str:
+    value = os.environ.get("AFD_DATA_GPU_FLAG_WRITES", "stream").strip().lower() or "stream"
+    if value not in FLAG_WRITE_SETTINGS:
+        raise ValueError(
+            f"AFD_DATA_GPU_FLAG_WRITES={value!r}: expected one of {', '.join(FLAG_WRITE_SETTINGS)}"
         )
     return value
 

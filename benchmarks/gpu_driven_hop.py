@@ -150,6 +150,7 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = {
             "benchmark": "gpu_driven_hop",
             "path": gpu.path,
+            "flag_writes": gpu.flag_writes,  # AFD_DATA_GPU_FLAG_WRITES, both processes
             "gpus": 1 if args.one_gpu else 2,
             "mps": args.mps,
             "rows": args.rows,

@@ -228,3 +228,44 @@ def test_a_worker_whose_peers_need_different_paths_is_refused_naming_them():
     assert one_path({0: gpu, 1: gpu}, "ffn rank 0").path == "gpu"
     with pytest.raises(ValueError, match=r"GPU-driven to ranks \[0\], NIXL to ranks \[1\]"):
         one_path({0: gpu, 1: nixl}, "ffn rank 0")
+
+
+class _DriverCalls:
+    """The two driver calls a flag can take, recorded (the GPU itself is not needed to see
+    which one a setting picks)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def write(self, stream: int, addr: int, value: int, barrier: bool = True) -> None:
+        self.calls.append(("cuStreamWriteValue32", stream, addr, value, barrier))
+
+    def memset32(self, stream: int, addr: int, value: int, words: int) -> None:
+        self.calls.append(("cuMemsetD32Async", stream, addr, value, words))
+
+
+def test_flag_writes_follow_their_setting_and_a_bad_one_is_refused(monkeypatch) -> None:
+    from afd_data.gpu_hop import write_flag
+    from afd_data.gpu_protocol import flag_write_setting
+
+    raise_flag = Write(Loc("ffn", 0, "hidden_ready", (0, 0)), READY)
+    reset = Write(Loc("ffn", 0, "hidden_ready", (0, 0)), 0, barrier=False)
+    monkeypatch.delenv("AFD_DATA_GPU_FLAG_WRITES", raising=False)
+    assert flag_write_setting() == "stream"
+    cuda = _DriverCalls()
+    for how in ("stream", "memset"):
+        monkeypatch.setenv("AFD_DATA_GPU_FLAG_WRITES", f" {how.upper()} ")
+        assert flag_write_setting() == how
+        write_flag(cuda, 7, 0x1000, raise_flag, how)
+        write_flag(cuda, 7, 0x1004, reset, how)
+    assert cuda.calls == [
+        ("cuStreamWriteValue32", 7, 0x1000, READY, True),
+        ("cuStreamWriteValue32", 7, 0x1004, 0, False),
+        ("cuMemsetD32Async", 7, 0x1000, READY, 1),
+        ("cuMemsetD32Async", 7, 0x1004, 0, 1),
+    ]
+    monkeypatch.setenv("AFD_DATA_GPU_FLAG_WRITES", "kernel")
+    with pytest.raises(
+        ValueError, match="AFD_DATA_GPU_FLAG_WRITES='kernel': expected one of stream, memset"
+    ):
+        flag_write_setting()
