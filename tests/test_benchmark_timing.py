@@ -452,8 +452,12 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
     for bad in ("afd,afd", "afd", "colocated,afd_ep2"):
         with pytest.raises(SystemExit, match="give two or more"):
             parts_of(argparse.Namespace(part=bad, gpu=True))
-    with pytest.raises(SystemExit, match="needs --gpu"):
-        parts_of(argparse.Namespace(part="colocated,afd_dbo", gpu=False))
+    for gpu_only in ("afd_dbo", "afd_memset"):
+        with pytest.raises(SystemExit, match=f"--part {gpu_only} needs --gpu"):
+            parts_of(argparse.Namespace(part=f"colocated,{gpu_only}", gpu=False))
+    assert (
+        parts_of(argparse.Namespace(part="colocated,afd,afd_memset", gpu=True))[-1] == "afd_memset"
+    )
 
 
 def test_the_afd_base_part_runs_every_process_from_the_other_checkout(tmp_path) -> None:
