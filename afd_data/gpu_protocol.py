@@ -48,7 +48,8 @@ GPU_HOP_SETTINGS = ("auto", "off")
 # default): `cuStreamWriteValue32` with its memory barrier (1.96 µs in a graph on one H100);
 # "memset": a one-word `cuMemsetD32Async` after the copies in stream order (what poison uses),
 # a candidate to measure against it (benchmarks/gpu_hop_ops.py's memset_flag) before it becomes
-# the default. Both sides may differ: a flag is a word either way.
+# the default, for attention and FFN on one GPU: a memset has no memory barrier, and across GPUs
+# nothing yet shows the rows landing before their flag. Both sides may differ: a flag is a word.
 FLAG_WRITE_SETTINGS = ("stream", "memset")
 
 

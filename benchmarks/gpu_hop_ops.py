@@ -141,7 +141,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             result[f"{name}_us"] = round(per_op_us(enqueue, args.ops, args.replays), 2)
         except Exception as exc:  # one kind's failure must not lose the others' figures
             result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception as sync_exc:  # a failed capture can leave the stream unusable
+                result[f"{name}_error"] += f"; then synchronize: {sync_exc}"[:200]
+                break
     return result
 
 

@@ -2,7 +2,8 @@
 
 A flag write in the hop today is a `cuStreamWriteValue32` with its memory barrier (the only kind
 the H200 driver takes): 1.96 µs in a captured graph on one H100, twice a small kernel's 1.00
-µs, and a layer's hop has five of them beside four copies (README, 2026-12-07 twelfth session).
+µs, and a layer's hop has four of them (two raised, two reset) beside four copies (README,
+2026-12-07 twelfth session).
 These are what could replace them, measured before anything in afd_data changes:
 
 - `copy_then_flag`: the rows copied by the SMs and then the flag raised, in one kernel: every
@@ -13,7 +14,9 @@ These are what could replace them, measured before anything in afd_data changes:
 - `store_flag`: the flag alone, as a one-program kernel with the same release store.
 
 Both run under Triton's interpreter on the CPU too (TRITON_INTERPRET=1), which is how the CPU
-suite checks what they write (tests/test_hop_kernels.py).
+suite checks what they write (tests/test_hop_kernels.py); the interpreter runs the programs one
+after another, so that checks the results, not the memory ordering. The ordering is meant for
+one GPU (the counter at GPU scope); a peer GPU as `dst` would want the count at system scope.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def copy_then_flag(src: Any, dst: Any, flag: Any, counter: Any, value: int) -> N
     `flag` to `value`. `counter`: an int32 word holding 0, left at 0 (one per call site: two
     launches in flight at once must not share it)."""
     n = src.numel()
-    _copy_then_flag[(triton.cdiv(n, BLOCK),)](src, dst, n, flag, counter, value, BLOCK=BLOCK)
+    programs = max(1, triton.cdiv(n, BLOCK))  # one program raises the flag even for no rows
+    _copy_then_flag[(programs,)](src, dst, n, flag, counter, value, BLOCK=BLOCK)
 
 
 def store_flag(flag: Any, value: int) -> None:

@@ -28,8 +28,8 @@ def _joined(kit: Path) -> dict[str, str]:
 
 def test_recut_fills_transfers_and_keeps_every_wheel(tmp_path: Path) -> None:
     kit = tmp_path / ".kit"
-    wheels = {"vllm-0.26.0-x.whl": 150 * MIB, "nixl_cu13-1.5.1-x.whl": 59 * MIB}
-    wheels |= {f"small{i}-1.0-py3-none-any.whl": (i % 5 + 1) * 300_000 for i in range(40)}
+    wheels = {"vllm-0.26.0-x.whl": 36 * MIB, "nixl_cu13-1.5.1-x.whl": 12 * MIB}
+    wheels |= {f"small{i}-1.0-py3-none-any.whl": (i % 5 + 1) * 300_000 for i in range(20)}
     want = {}
     for i, (name, size) in enumerate(sorted(wheels.items())):
         data = bytes([i]) * size
@@ -44,7 +44,8 @@ def test_recut_fills_transfers_and_keeps_every_wheel(tmp_path: Path) -> None:
         else:
             (folder / name).write_bytes(data)
     (kit / "install.sh").write_text("# the kit's installer\n")
-    tree = 9 * MIB
+    (kit / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in want.items()))
+    tree = 50 * MIB  # a transfer then carries ~13.7 MiB of the kit: the packing at a small scale
     for _ in range(2):  # a second run re-packs the re-cut kit
         out = subprocess.run(
             [sys.executable, recut_kit.__file__, str(kit), "--tree-bytes", str(tree)],
@@ -57,4 +58,26 @@ def test_recut_fills_transfers_and_keeps_every_wheel(tmp_path: Path) -> None:
             used += (kit / "install.sh").stat().st_size if folder.name == "pa" else 0
             assert used + tree <= recut_kit.LIMIT, (folder, used)
         assert _joined(kit) == want
-        assert "5 transfers: carry [.kit/pa .kit/install.sh]" in out, out
+        assert (
+            "5 transfer(s): carry [.kit/pa .kit/install.sh .kit/SHA256SUMS], then [.kit/pb]" in out
+        ), out
+
+    # A kit made again over the re-cut one leaves a wheel in two folders: refused, nothing lost.
+    small = next(kit.glob("p*/small1-*.whl"))
+    (kit / "p1").mkdir()
+    (kit / "p1" / small.name).write_bytes(small.read_bytes())
+    again = subprocess.run(
+        [sys.executable, recut_kit.__file__, str(kit), "--tree-bytes", str(tree)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert again.returncode != 0 and "is in both" in again.stderr, again
+    assert f"rm -rf {kit}" in again.stderr, again.stderr
+    (kit / "p1" / small.name).unlink()
+    # A part that does not join to its sum (one left over from another kit) is refused too.
+    (kit / "p1" / "vllm-0.26.0-x.whl.part-99").write_bytes(b"left over")
+    stale = subprocess.run(
+        [sys.executable, recut_kit.__file__, str(kit), "--tree-bytes", str(tree)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert stale.returncode != 0 and "do not join to the sha256" in stale.stderr, stale
+    assert _joined(kit).keys() >= want.keys()

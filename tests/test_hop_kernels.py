@@ -1,6 +1,7 @@
 """The candidate flag kernels of benchmarks/hop_kernels.py (timed on a GPU by gpu_hop_ops.py),
 run by Triton's interpreter on the CPU: each copy arrives whole, the flag holds its value, and
-the done-counter is back at 0 for the next replay, launch after launch (as a graph replays)."""
+the done-counter is back at 0 for the next replay, launch after launch (as a graph replays).
+The interpreter runs a launch's programs one after another: results, not memory ordering."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ SCRIPT = textwrap.dedent(
     from benchmarks import hop_kernels
     out = []
     words = torch.zeros(4, dtype=torch.int32)
-    for rows in (1, 16, 3):  # one program, several, a last block cut short
-        src = torch.randn(rows, 7168).to(torch.bfloat16)
+    for rows in (1, 16, 3):  # one program (1 x 1000), several, a last block cut short
+        src = torch.randn(rows, 1000 if rows == 1 else 7168).to(torch.bfloat16)
         dst = torch.zeros_like(src)
         words[0] = 0
         hop_kernels.copy_then_flag(src, dst, words[0:], words[1:], 5 + rows)

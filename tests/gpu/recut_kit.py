@@ -3,9 +3,10 @@ transfer fits the device tool's 64 MiB with this repository's tree beside it (9 
 with the committed results: NIXL's 59 MB wheel alone no longer fits beside it). Every wheel of
 the kit, chunked or whole, is packed in turn into as few folders as fit (.kit/pa, pb, ...),
 each filled up to what one transfer carries: a big wheel that does not fit the space left is
-cut there (NAME.whl.part-00, -01, ...), a small one (under 4 MiB) goes whole into the next
-folder. install.sh joins chunks by their sorted names (any p* folder) and checks the joined
-wheel's sha256, so nothing else changes. Then one transfer per folder, back to back, each
+cut there (NAME.whl.part-00, -01, ...), a small one (under 4 MiB) goes whole into the first
+folder with room for it. Every joined wheel is checked against SHA256SUMS and the new folders
+are written whole before the old ones go. install.sh joins chunks by their sorted names (any
+p* folder) and checks the joined wheel's sha256, so nothing else changes. Then one transfer per folder, back to back, each
 starting with `mkdir -p /tmp/kit && cp -a .kit/. /tmp/kit/`: pa with the scripts (install.sh
 gen.py gpu_test.sh tiny_model.py SHA256SUMS MANIFEST.txt and py_spy.whl, if there), the
 others alone, the last one's call running install.sh (tests/gpu/device_call.sh does). It prints
@@ -18,6 +19,7 @@ packs the same wheels again.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -38,47 +40,86 @@ def tree_bytes() -> int:
 
 
 def kit_wheels(kit: Path) -> dict[str, bytes]:
-    """Every wheel in the kit's p* folders, chunks joined in their names' order."""
+    """Every wheel in the kit's p* folders, chunks joined in their names' order, each checked
+    against the kit's SHA256SUMS where it names it. A file in two folders is refused: a kit
+    made again over a re-cut one (make_kit.sh clears only its own p1 .. p4) would join twice."""
     parts: dict[str, list[Path]] = {}
-    for path in kit.glob("p*/*.whl*"):
+    seen: dict[str, Path] = {}
+    for path in sorted(kit.glob("p*/*.whl*")):
+        if path.name in seen:
+            raise SystemExit(
+                f"{path.name} is in both {seen[path.name].parent} and {path.parent}: a kit made "
+                f"over a re-cut one? Make it again into an empty folder (rm -rf {kit} first)"
+            )
+        seen[path.name] = path
         name = path.name.rsplit(".part-", 1)[0] if ".whl.part-" in path.name else path.name
         if name.endswith(".whl"):
             parts.setdefault(name, []).append(path)
-    return {
-        name: b"".join(p.read_bytes() for p in sorted(paths, key=lambda p: p.name))
-        for name, paths in parts.items()
-    }
+    sums = {}
+    if (kit / "SHA256SUMS").is_file():
+        sums = {
+            n: h
+            for h, n in (
+                ln.split() for ln in (kit / "SHA256SUMS").read_text().splitlines() if ln.strip()
+            )
+        }
+    wheels = {}
+    for name, paths in parts.items():
+        data = b"".join(p.read_bytes() for p in sorted(paths, key=lambda p: p.name))
+        if name in sums and hashlib.sha256(data).hexdigest() != sums[name]:
+            raise SystemExit(
+                f"{name}: its {len(paths)} part(s) do not join to the sha256 in SHA256SUMS "
+                f"(a part missing or left over?): make the kit again (make_kit.sh)"
+            )
+        wheels[name] = data
+    return wheels
 
 
 def pack(wheels: dict[str, bytes], first_budget: int, budget: int) -> list[dict[str, bytes]]:
     """The wheels as folders of files (whole wheels and NAME.part-NN chunks), the first folder
-    holding at most `first_budget` bytes and each other at most `budget`, big wheels first."""
-    if budget <= SMALL:
-        raise SystemExit(f"a transfer has {budget / 2**20:.1f} MiB left beside the tree: too few")
+    holding at most `first_budget` bytes and each other at most `budget`: big wheels first, cut
+    where a folder ends; a small one into the first folder with room for it whole."""
+    if min(budget, first_budget) <= SMALL:
+        raise SystemExit(
+            f"a transfer has {min(budget, first_budget) / 2**20:.1f} MiB left beside the tree "
+            f"and the scripts: too few. Shrink the tree (move big results out of it, or pack "
+            f"them smaller) or pass --tree-bytes if git's count is wrong"
+        )
     folders: list[dict[str, bytes]] = [{}]
-    room = first_budget
+    rooms = [first_budget]
     for name, data in sorted(wheels.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        if len(data) <= room:
-            folders[-1][name] = data
-            room -= len(data)
+        if len(data) < SMALL:
+            fits = [i for i, room in enumerate(rooms) if room >= len(data)]
+            if not fits:
+                folders.append({})
+                rooms.append(budget)
+                fits = [len(folders) - 1]
+            folders[fits[0]][name] = data
+            rooms[fits[0]] -= len(data)
             continue
-        if len(data) < SMALL or room < SMALL:
+        if len(data) <= rooms[-1]:
+            folders[-1][name] = data
+            rooms[-1] -= len(data)
+            continue
+        if rooms[-1] < SMALL:
             folders.append({})
-            room = budget
-            if len(data) <= room:
+            rooms.append(budget)
+            if len(data) <= rooms[-1]:
                 folders[-1][name] = data
-                room -= len(data)
+                rooms[-1] -= len(data)
                 continue
         done, index = 0, 0
         while done < len(data):
-            if room <= 0:
+            if rooms[-1] <= 0:
                 folders.append({})
-                room = budget
-            piece = data[done : done + room]
+                rooms.append(budget)
+            piece = data[done : done + rooms[-1]]
             folders[-1][f"{name}.part-{index:02d}"] = piece
             done += len(piece)
-            room -= len(piece)
+            rooms[-1] -= len(piece)
             index += 1
+    if len(folders) > 26:
+        raise SystemExit(f"{len(folders)} transfers: more than pa .. pz; shrink the tree first")
     return folders
 
 
@@ -94,18 +135,27 @@ def main() -> None:
     budget = LIMIT - (args.tree_bytes or tree_bytes()) - MARGIN
     scripts = sum((kit / s).stat().st_size for s in (*SCRIPTS, "py_spy.whl") if (kit / s).is_file())
     folders = pack(wheels, budget - scripts, budget)
+    names = [f"p{chr(ord('a') + i)}" for i in range(len(folders))]
+    staging = kit / ".recut"  # written whole before the old folders go
+    shutil.rmtree(staging, ignore_errors=True)
+    for folder, files in zip(names, folders, strict=True):
+        (staging / folder).mkdir(parents=True)
+        for name, data in files.items():
+            (staging / folder / name).write_bytes(data)
     for old in kit.glob("p*"):
         if old.is_dir():
             shutil.rmtree(old)
-    names = [f"p{chr(ord('a') + i)}" for i in range(len(folders))]
     for folder, files in zip(names, folders, strict=True):
-        (kit / folder).mkdir()
-        for name, data in files.items():
-            (kit / folder / name).write_bytes(data)
+        (staging / folder).rename(kit / folder)
         print(f"{folder}: {sum(map(len, files.values())) / 2**20:.1f} MiB, {len(files)} file(s)")
+    staging.rmdir()
     first = " ".join(f".kit/{s}" for s in (*SCRIPTS, "py_spy.whl") if (kit / s).is_file())
-    print(f"{len(folders)} transfers: carry [.kit/{names[0]} {first}], then", end=" ")
-    print(", ".join(f"[.kit/{n}]" for n in names[1:]), "(that call installs)")
+    rest = ", ".join(f"[.kit/{n}]" for n in names[1:])
+    print(
+        f"{len(folders)} transfer(s): carry [.kit/{names[0]} {first}]"
+        + (f", then {rest}" if rest else ""),
+        "(the last call installs)",
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ for step in "$@"; do
       # Issue 33: what each kind of stream operation in the hop costs in a graph (and the
       # candidate flag kernels of benchmarks/hop_kernels.py), and what the
       # hop adds to a layer with real FFN work (a 4 GiB bandwidth-bound GEMM) at 16 and 64 rows.
-      # (about 150 s in all: give device_call.sh 300.)
+      # (about 60 s on one warm H100, at most 480 s by the bounds: give device_call.sh 300.)
       timeout 120 python3 "$ROOT/benchmarks/gpu_hop_ops.py" $mps > "$OUT/hop_ops.txt" 2>&1 || rc=1
       tail -1 "$OUT/hop_ops.txt" | cut -c1-1500
       # Each flag write kind of AFD_DATA_GPU_FLAG_WRITES (afd_data.gpu_protocol), same layers.

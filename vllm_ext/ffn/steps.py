@@ -20,8 +20,10 @@ log = logging.getLogger(__name__)
 
 STAT_WINDOW = 1000
 # Served steps logged with their split: the first few (a start-up's compiles and first
-# shapes), then every LOG_EVERY-th, and any whose wait or compute took SLOW_STEP_S or more
-# (a compile or a stall inside serving: what a peer's "no outputs within" bound then shows).
+# shapes), then every LOG_EVERY-th, and any whose wait, compute or send took SLOW_STEP_S or
+# more (a compile or a stall inside serving: what a peer's "no outputs within" bound then
+# shows). On the GPU-driven path the split is the host's enqueueing only: a stall on the GPU
+# shows in the attention side's verdicts, not here.
 FIRST_STEPS_LOGGED = 4
 LOG_EVERY = 1000
 SLOW_STEP_S = 1.0
