@@ -116,6 +116,9 @@ class GpuHop:
         if self.path != GPU:
             self._close_mappings()
             return self.choice
+        if self.flag_writes != "stream":  # said in the worker's "afd data path" line
+            reason = f"{self.choice.reason}; flags by AFD_DATA_GPU_FLAG_WRITES={self.flag_writes}"
+            self.choice = PathChoice(GPU, reason)
         cuda = driver()
         if not self._side:
             self._side = cuda.non_blocking_stream()

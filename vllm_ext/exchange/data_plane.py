@@ -23,7 +23,7 @@ from afd_ctl.routing import Role
 from afd_ctl.step import Step
 from afd_data import NixlTransport, TransportConfig
 from afd_data.errors import AfdBadInput, AfdPeerLost, AfdStaleEpoch
-from afd_data.gpu_protocol import GPU, NIXL, PathChoice
+from afd_data.gpu_protocol import NIXL, PathChoice
 
 log = logging.getLogger(__name__)
 
@@ -190,18 +190,14 @@ class DataPlane:
             self.hop.config = self.transport.config  # the view's routing (issue 37)
             bound = self.warmup_timeout_s or self.timeout_s
             self.choice = self.hop.connect(view.epoch, peers, bound, self._idle)
-        flags = ""
-        if self.choice.path == GPU and self.hop.flag_writes != "stream":
-            flags = f"; flags by AFD_DATA_GPU_FLAG_WRITES={self.hop.flag_writes}"
         log.info(
-            "afd data path: %s rank %d uses the %s exchange to its %d peer(s) at epoch %d (%s%s)",
+            "afd data path: %s rank %d uses the %s exchange to its %d peer(s) at epoch %d (%s)",
             self.role.label,
             self.rank,
             self.choice.label,
             len(peers),
             view.epoch,
             self.choice.reason,
-            flags,
         )
         return self.choice
 
