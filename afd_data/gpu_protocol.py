@@ -236,22 +236,20 @@ class PathChoice:
         return {GPU: "GPU-driven", NIXL: "host-driven NIXL"}[self.path]
 
 
-def gpu_hop_setting() -> str:
-    value = os.environ.get("AFD_DATA_GPU_HOP", "auto").strip().lower() or "auto"
-    if value not in GPU_HOP_SETTINGS:
-        raise ValueError(
-            f"AFD_DATA_GPU_HOP={value!r}: expected one of {', '.join(GPU_HOP_SETTINGS)}"
-        )
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable `name`, one of `choices` (the first when unset or empty)."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def gpu_hop_setting() -> str:
+    return _env_choice("AFD_DATA_GPU_HOP", GPU_HOP_SETTINGS)
 
 
 def flag_write_setting() -> str:
-    value = os.environ.get("AFD_DATA_GPU_FLAG_WRITES", "stream").strip().lower() or "stream"
-    if value not in FLAG_WRITE_SETTINGS:
-        raise ValueError(
-            f"AFD_DATA_GPU_FLAG_WRITES={value!r}: expected one of {', '.join(FLAG_WRITE_SETTINGS)}"
-        )
-    return value
+    return _env_choice("AFD_DATA_GPU_FLAG_WRITES", FLAG_WRITE_SETTINGS)
 
 
 def choose_path(mine: GpuEndpoint | None, theirs: GpuEndpoint | None, setting: str) -> PathChoice:
