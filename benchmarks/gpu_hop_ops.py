@@ -108,20 +108,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         src = torch.randn(rows, args.hidden, device="cuda:0", dtype=torch.bfloat16)
         dst = torch.empty_like(src)
         nbytes = src.numel() * src.element_size()
-        kinds[f"memcpy_{rows}"] = lambda s=src, d=dst, n=nbytes: cuda.copy(
-            stream(), int(d.data_ptr()), int(s.data_ptr()), n
-        )
-        kinds[f"torch_copy_{rows}"] = lambda s=src, d=dst: d.copy_(s)
-        kinds[f"copy_kernel_{rows}"] = lambda s=src, d=dst: torch.mul(s, 1, out=d)
 
-        def memcpy_write(s: Any = src, d: Any = dst, n: int = nbytes) -> None:
+        def memcpy(s: Any = src, d: Any = dst, n: int = nbytes) -> None:
             cuda.copy(stream(), int(d.data_ptr()), int(s.data_ptr()), n)
+
+        def memcpy_write(copy: Callable[[], None] = memcpy) -> None:
+            copy()
             cuda.write(stream(), flag + 24, 1)
 
-        def memcpy_fill(s: Any = src, d: Any = dst, n: int = nbytes) -> None:
-            cuda.copy(stream(), int(d.data_ptr()), int(s.data_ptr()), n)
+        def memcpy_fill(copy: Callable[[], None] = memcpy) -> None:
+            copy()
             words[7:8].fill_(1)
 
+        kinds[f"memcpy_{rows}"] = memcpy
+        kinds[f"torch_copy_{rows}"] = lambda s=src, d=dst: d.copy_(s)
+        kinds[f"copy_kernel_{rows}"] = lambda s=src, d=dst: torch.mul(s, 1, out=d)
         kinds[f"memcpy_write_{rows}"] = memcpy_write
         kinds[f"memcpy_fill_{rows}"] = memcpy_fill
         kinds[f"copy_then_flag_{rows}"] = lambda s=src, d=dst: _kernels().copy_then_flag(
