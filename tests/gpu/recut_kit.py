@@ -87,36 +87,33 @@ def pack(wheels: dict[str, bytes], first_budget: int, budget: int) -> list[dict[
         )
     folders: list[dict[str, bytes]] = [{}]
     rooms = [first_budget]
+
+    def new_folder() -> int:
+        folders.append({})
+        rooms.append(budget)
+        return len(folders) - 1
+
+    def put(index: int, name: str, data: bytes) -> None:
+        folders[index][name] = data
+        rooms[index] -= len(data)
+
     for name, data in sorted(wheels.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        if len(data) < SMALL:
-            fits = [i for i, room in enumerate(rooms) if room >= len(data)]
-            if not fits:
-                folders.append({})
-                rooms.append(budget)
-                fits = [len(folders) - 1]
-            folders[fits[0]][name] = data
-            rooms[fits[0]] -= len(data)
+        if len(data) < SMALL:  # whole, into the first folder with room for it
+            fits = next((i for i, room in enumerate(rooms) if room >= len(data)), None)
+            put(new_folder() if fits is None else fits, name, data)
             continue
+        if len(data) > rooms[-1] and rooms[-1] < SMALL:
+            new_folder()  # too little left in the last folder to start a cut there
         if len(data) <= rooms[-1]:
-            folders[-1][name] = data
-            rooms[-1] -= len(data)
+            put(len(folders) - 1, name, data)
             continue
-        if rooms[-1] < SMALL:
-            folders.append({})
-            rooms.append(budget)
-            if len(data) <= rooms[-1]:
-                folders[-1][name] = data
-                rooms[-1] -= len(data)
-                continue
         done, index = 0, 0
         while done < len(data):
             if rooms[-1] <= 0:
-                folders.append({})
-                rooms.append(budget)
+                new_folder()
             piece = data[done : done + rooms[-1]]
-            folders[-1][f"{name}.part-{index:02d}"] = piece
+            put(len(folders) - 1, f"{name}.part-{index:02d}", piece)
             done += len(piece)
-            rooms[-1] -= len(piece)
             index += 1
     if len(folders) > 26:
         raise SystemExit(f"{len(folders)} transfers: more than pa .. pz; shrink the tree first")
@@ -133,8 +130,8 @@ def main() -> None:
     if not any(n.startswith("vllm-") for n in wheels):
         raise SystemExit(f"{kit}: no vllm wheel (run make_kit.sh first)")
     budget = LIMIT - (args.tree_bytes or tree_bytes()) - MARGIN
-    scripts = sum((kit / s).stat().st_size for s in (*SCRIPTS, "py_spy.whl") if (kit / s).is_file())
-    folders = pack(wheels, budget - scripts, budget)
+    carried = [s for s in (*SCRIPTS, "py_spy.whl") if (kit / s).is_file()]  # with the first
+    folders = pack(wheels, budget - sum((kit / s).stat().st_size for s in carried), budget)
     names = [f"p{chr(ord('a') + i)}" for i in range(len(folders))]
     staging = kit / ".recut"  # written whole before the old folders go
     shutil.rmtree(staging, ignore_errors=True)
@@ -149,7 +146,7 @@ def main() -> None:
         (staging / folder).rename(kit / folder)
         print(f"{folder}: {sum(map(len, files.values())) / 2**20:.1f} MiB, {len(files)} file(s)")
     staging.rmdir()
-    first = " ".join(f".kit/{s}" for s in (*SCRIPTS, "py_spy.whl") if (kit / s).is_file())
+    first = " ".join(f".kit/{s}" for s in carried)
     rest = ", ".join(f"[.kit/{n}]" for n in names[1:])
     print(
         f"{len(folders)} transfer(s): carry [.kit/{names[0]} {first}]"
