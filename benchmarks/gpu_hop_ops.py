@@ -94,6 +94,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cuda.write(stream(), flag + 4, 1)
         cuda.wait_geq(stream(), flag + 4, 1)
 
+    def memset_wait() -> None:  # write_wait with the flag raised by a memset
+        cuda.memset32(stream(), flag + 40, 1, 1)
+        cuda.wait_geq(stream(), flag + 40, 1)
+
     one = torch.zeros(1, device="cuda:0")
     kinds: dict[str, Callable[[], None]] = {
         "write": lambda: cuda.write(stream(), flag, 1),
@@ -101,6 +105,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "write_wait": write_wait,
         "tiny_kernel": lambda: one.add_(1.0),
         "memset_flag": lambda: cuda.memset32(stream(), flag + 12, 1, 1),
+        "memset_wait": memset_wait,
         "fill_flag": lambda: words[4:5].fill_(1),
         "store_flag": lambda: _kernels().store_flag(words[5:6], 1),
     }
