@@ -100,6 +100,7 @@ def decode_blob(data: bytes, what: str = "peer blob") -> PeerBlob:
     shape = {f.name: getattr(msg.shape, f.name) for f in blob_pb2.BufferShape.DESCRIPTOR.fields}
     if not shape["ffn_groups"]:  # a worker older than the field routes with the default
         shape["ffn_groups"] = min(shape["num_attention"], shape["num_ffn"])
+    shape["gpu_flag_resets"] = shape["gpu_flag_resets"] or "each"  # as older workers did
     return PeerBlob(
         agent_name=msg.agent_name,
         agent_metadata=msg.agent_metadata,
@@ -131,6 +132,10 @@ PER_WORKER_SHAPE = frozenset({"num_stages"})
 SHAPE_SOURCES = {
     "ffn_groups": "the FFN groups of the routing: afd-ctl serve --expert-parallel-size, or "
     "TransportConfig.ffn_groups / AFD_DATA_FFN_GROUPS; every worker must use the same",
+    "num_layers": "the model's layers (its config's num_hidden_layers); 0 from a worker older "
+    "than this field: run one afd-ctl version on every worker",
+    "gpu_flag_resets": "AFD_DATA_GPU_FLAG_RESETS (TransportConfig.gpu_flag_resets), auto by "
+    "default; every worker must use the same",
 }
 
 

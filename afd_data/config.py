@@ -68,6 +68,12 @@ class TransportConfig:
     # Receive slots per stage: slot = layer % layers_in_flight. 1 suffices when every layer
     # needs the previous layer's output; more lets a sender run ahead.
     layers_in_flight: int = 1
+    # The model's layers: every step runs layers 0 .. num_layers - 1, one round trip each per
+    # stage (0: not known). With them the GPU-driven hop meets its flags without writing them
+    # back (afd_data.gpu_protocol.flag_use); gpu_flag_resets "each" keeps the write-back (the
+    # protocol before 2026-12-07, for comparison), "auto" the default.
+    num_layers: int = 0
+    gpu_flag_resets: str = "auto"
     # Extra per-token columns sent with the hidden states (router logits or top-k ids when the
     # gate stays on the attention side); 0 sends none.
     router_width: int = 0
@@ -147,7 +153,7 @@ class TransportConfig:
         except ValueError as e:
             raise AfdBadInput(f"TransportConfig.ffn_groups: {e}") from None
         set_(self, "ffn_groups", groups)
-        for name in ("max_attention", "max_ffn"):
+        for name in ("max_attention", "max_ffn", "num_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise AfdBadInput(f"TransportConfig.{name} must be an integer >= 0, got {value!r}")
@@ -165,6 +171,11 @@ class TransportConfig:
                     f"TransportConfig.max_attention ({self.max_attention}) must be a multiple "
                     f"of attention_tp_size ({self.attention_tp_size})"
                 )
+        if self.gpu_flag_resets not in ("auto", "each"):
+            raise AfdBadInput(
+                f"TransportConfig.gpu_flag_resets must be auto or each, got "
+                f"{self.gpu_flag_resets!r}"
+            )
         if self.num_stages not in (1, 2):
             raise AfdBadInput(f"TransportConfig.num_stages must be 1 or 2, got {self.num_stages!r}")
         if not isinstance(self.router_width, int) or self.router_width < 0:
@@ -243,6 +254,8 @@ class TransportConfig:
             "max_tokens_per_peer": self.max_tokens_per_peer,
             "num_stages": self.num_stages,
             "layers_in_flight": self.layers_in_flight,
+            "num_layers": self.num_layers,
+            "gpu_flag_resets": self.gpu_flag_resets,
             "num_attention": self.num_attention,
             "num_ffn": self.num_ffn,
             "ffn_groups": self.ffn_groups,

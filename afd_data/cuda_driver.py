@@ -1,7 +1,7 @@
 """The few CUDA driver calls the GPU-driven hop needs, through ctypes (no extra package).
 
 - stream memory operations: `cuStreamWaitValue32` (the *stream* waits until a 32-bit word is
-  at least a value; the host does not) and `cuStreamWriteValue32` (a word written in stream
+  at least a value, or has any bit of a mask; the host does not) and `cuStreamWriteValue32` (a word written in stream
   order, by default after a memory barrier, so rows copied before it are visible first). Both
   can be captured in CUDA graphs;
 - `cuMemcpyDtoDAsync` on one stream (torch's cross-device `copy_` also makes the other device's
@@ -26,6 +26,7 @@ from typing import Any
 
 IPC_HANDLE_BYTES = 64
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+WAIT_AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: until (word & value) != 0
 WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory barrier before the write
 WRITE_NO_BARRIER = 0x1  # CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
 IPC_LAZY_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
@@ -104,6 +105,9 @@ class CudaDriver:
     # -- stream-ordered operations (capturable) -----------------------------------------------
     def wait_geq(self, stream: int, addr: int, value: int) -> None:
         self._check(self._wait(stream, addr, value, WAIT_GEQ), "cuStreamWaitValue32")
+
+    def wait_any_bit(self, stream: int, addr: int, mask: int) -> None:
+        self._check(self._wait(stream, addr, mask, WAIT_AND), "cuStreamWaitValue32")
 
     def write(self, stream: int, addr: int, value: int, barrier: bool = True) -> None:
         # CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER is refused (invalid argument) by the H200
@@ -202,3 +206,11 @@ def driver() -> CudaDriver:
         if _driver is None:
             _driver = CudaDriver()
         return _driver
+
+
+def write_flag(cuda: Any, stream: int, addr: int, value: int, barrier: bool, how: str) -> None:
+    """One flag word raised or reset on `stream`, as AFD_DATA_GPU_FLAG_WRITES says (`how`)."""
+    if how == "memset":
+        cuda.memset32(stream, addr, value, 1)
+    else:
+        cuda.write(stream, addr, value, barrier)

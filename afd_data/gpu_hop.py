@@ -1,9 +1,9 @@
 """GpuHop: the per-layer exchange driven by the GPUs themselves, between workers on one host.
 
-It runs the operation lists of `afd_data.gpu_protocol` on CUDA streams: peer copies through
-CUDA IPC mappings, `cuStreamWriteValue32` flags and `cuStreamWaitValue32` waits
-(`afd_data.cuda_driver`). Nothing in a layer waits on the host, so the attention side can
-capture whole decode steps in CUDA graphs and the FFN side can enqueue a whole step at once.
+It runs `afd_data.gpu_protocol`'s operation lists on CUDA streams (`afd_data.cuda_driver`):
+peer copies through CUDA IPC mappings, flag writes and `cuStreamWaitValue32` waits. Nothing in a
+layer waits on the host: the attention side captures whole decode steps in CUDA graphs, and the
+FFN side enqueues a whole step at once.
 
 It lives beside the worker's NixlTransport and uses its buffer, layout and peers: the NIXL path
 stays connected (the rendezvous, membership and epochs are the transport's), and the path is
@@ -26,7 +26,7 @@ from afd_ctl.errors import AfdTimeout
 from afd_ctl.routing import Role, peer_ranks
 from afd_data.blob import PeerBlob
 from afd_data.config import TransportConfig
-from afd_data.cuda_driver import CudaDriverError, driver
+from afd_data.cuda_driver import CudaDriverError, driver, write_flag
 from afd_data.gpu_protocol import (
     GPU,
     NIXL,
@@ -35,6 +35,7 @@ from afd_data.gpu_protocol import (
     Compute,
     Copy,
     FlagLayout,
+    FlagUse,
     Loc,
     Op,
     PathChoice,
@@ -45,6 +46,7 @@ from afd_data.gpu_protocol import (
     choose_path,
     epoch_tag,
     ffn_ops,
+    flag_use,
     flag_write_setting,
     gpu_hop_setting,
     one_path,
@@ -92,6 +94,9 @@ class GpuHop:
         self._router_row = self.config.router_width * self.config.router_itemsize
         self._views: dict[tuple[int, int, int, str], Any] = {}
         self.flag_writes = flag_write_setting()
+        schedule = (config.num_layers, config.layers_in_flight, config.gpu_flag_resets)
+        # How the flags of a layer are raised and met (the same on both sides: shape fields).
+        self.flag_use: Callable[[int], FlagUse] = lambda layer: flag_use(layer, *schedule)
 
     @property
     def path(self) -> str:
@@ -116,9 +121,10 @@ class GpuHop:
         if self.path != GPU:
             self._close_mappings()
             return self.choice
-        if self.flag_writes != "stream":  # said in the worker's "afd data path" line
-            reason = f"{self.choice.reason}; flags by AFD_DATA_GPU_FLAG_WRITES={self.flag_writes}"
-            self.choice = PathChoice(GPU, reason)
+        # How the flags are written and met, said in the worker's "afd data path" line.
+        met = "written back after each wait" if self.flag_use(0).reset else "met by bit"
+        reason = f"{self.choice.reason}; flags by {self.flag_writes} writes, {met}"
+        self.choice = PathChoice(GPU, reason)
         cuda = driver()
         if not self._side:
             self._side = cuda.non_blocking_stream()
@@ -229,9 +235,11 @@ class GpuHop:
                     stream, self._addr(op.dst, inputs), self._addr(src, inputs), op.rows * row
                 )
             elif isinstance(op, Write):
-                write_flag(cuda, stream, self._addr(op.flag, inputs), op, self.flag_writes)
-            elif isinstance(op, Wait):
-                cuda.wait_geq(stream, self._addr(op.flag, inputs), op.value)
+                addr = self._addr(op.flag, inputs)
+                write_flag(cuda, stream, addr, op.value, op.barrier, self.flag_writes)
+            elif isinstance(op, Wait):  # for >= value, or for any bit of it (op.mask)
+                wait = cuda.wait_any_bit if op.mask else cuda.wait_geq
+                wait(stream, self._addr(op.flag, inputs), op.value)
             elif isinstance(op, Compute):
                 assert compute is not None
                 out = compute()
@@ -261,7 +269,9 @@ class GpuHop:
         if self._router_row:
             router = router.reshape(rows, -1).contiguous()
             inputs["router"] = int(router.data_ptr())
-        ops = attention_send_ops(self.rank, slot, rows, self._ffn_positions, bool(self._router_row))
+        ops = attention_send_ops(
+            self.rank, slot, rows, self._ffn_positions, bool(self._router_row), self.flag_use(layer)
+        )
         self._run(ops, stream, inputs)
 
     def take(self, layer: int, stage: int, out: Any, stream: int) -> None:
@@ -269,7 +279,8 @@ class GpuHop:
         and sum them into `out` (rows, hidden_size)."""
         rows = int(out.shape[0])
         slot = self.layout.slot(layer, stage)
-        self._run(attention_take_ops(self.rank, slot, self._ffn_positions), stream, {})
+        ops = attention_take_ops(self.rank, slot, self._ffn_positions, self.flag_use(layer))
+        self._run(ops, stream, {})
         cfg = self.config
         outputs = [
             self._view(self.layout.recv_output[slot][pos].offset, rows, cfg.hidden_size, cfg.dtype)
@@ -294,7 +305,9 @@ class GpuHop:
             for s in slices
         ]
         x, router = self.ffn_inputs(layer, stage, slices)
-        ops = ffn_ops(self.rank, layer, stage, slot, peers, bool(self._router_row))
+        ops = ffn_ops(
+            self.rank, layer, stage, slot, peers, bool(self._router_row), self.flag_use(layer)
+        )
         self._run(ops, stream, {}, lambda: compute(x, router).contiguous())
 
     def ffn_inputs(self, layer: int, stage: int, slices: Sequence[Any]) -> tuple[Any, Any]:
@@ -332,11 +345,3 @@ class GpuHop:
 
     def close(self) -> None:
         self._close_mappings()
-
-
-def write_flag(cuda: Any, stream: int, addr: int, op: Write, how: str) -> None:
-    """One flag word raised or reset on `stream`, as AFD_DATA_GPU_FLAG_WRITES says."""
-    if how == "memset":
-        cuda.memset32(stream, addr, op.value, 1)
-    else:
-        cuda.write(stream, addr, op.value, op.barrier)

@@ -13,13 +13,22 @@ buffer, opened at connect): it waits on the attention worker's "hidden ready" fl
 it, pulls the rows, computes, pushes each peer its output slice, and raises that peer's "output
 ready" flag. An FFN server captures its own graphs again after every reconnect.
 
-Flags are 32-bit words compared with >= READY, so a captured wait stays valid on every replay
-(the consumer resets a flag to 0 right after its wait). A host watchdog releases a stuck wait by
-writing POISON (>= READY) into the flags its stream waits on, again and again until the stream
-has drained; the step then fails on the host (the poisoned step's outputs are never used).
+Flags are 32-bit words, and a captured wait must stay valid on every replay; a flag is raised
+and met in one of two ways (`flag_use`, the same on both sides: it follows from shape fields):
+- **Bits** (the default where the model's layers are known and each slot is used at least twice
+  a step): each use of a slot raises one bit, different from the slot's previous use, the last
+  use of a step included (bits 0 and 1 alternate, and an odd-numbered last use takes bit 2), and
+  the consumer waits for that bit (`Wait.mask`) and leaves the word as it is. A stale word
+  therefore never meets a wait, and no one writes a flag back: two flag writes per layer fewer,
+  each ~2 µs on the critical path (README, 2026-12-07).
+- **Resets** (otherwise, or TransportConfig.gpu_flag_resets "each"): the producer raises READY,
+  the consumer waits for >= READY and puts the word back to 0 right after.
+A host watchdog releases a stuck wait by writing POISON (>= READY, and every bit a wait masks)
+into the flags its stream waits on, again and again until the stream has drained; the step then
+fails on the host (the poisoned step's outputs are never used).
 
-Slots are the data plane's (`layout.slot`): a slot is written again only after its previous
-contents were consumed, because each layer's answer is the next layer's credit (the FFN side
+Slots are the data plane's (`layout.slot`): a slot (and its flags) is written again only after
+its previous contents were consumed, because each layer's answer is the next layer's credit (the FFN side
 pulls layer L's rows before it answers layer L, and the attention side sends layer L + slots
 only after it took the answer of layer L + slots - 1).
 
@@ -39,6 +48,7 @@ from collections.abc import Sequence
 
 READY = 1
 POISON = 0x7FFF_FFFF
+POISON_BIT = 1 << 30  # in POISON, and in every mask a bits-mode wait checks
 # The two exchange paths a worker can run (PathChoice.path).
 GPU, NIXL = "gpu", "nixl"
 # AFD_DATA_GPU_HOP: "auto" (the GPU path between peers on one host whose buffers are CUDA
@@ -85,7 +95,8 @@ class Write:
 @dataclasses.dataclass(frozen=True)
 class Wait:
     flag: Loc
-    value: int = READY  # until the word is >= value
+    value: int = READY  # until the word is >= value (mask: until word & value != 0)
+    mask: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,31 +140,76 @@ class FlagLayout:
         ]
 
 
-def attention_send_ops(rank: int, slot: int, rows: int, ffn_peers: int, router: bool) -> list[Op]:
+@dataclasses.dataclass(frozen=True)
+class FlagUse:
+    """How one (layer, stage)'s flags are raised and met (see "Flags" above): `value` is what
+    the producer writes; with `reset` the consumer waits for >= READY and writes 0 back, else it
+    waits for the bit `value` (or POISON) and leaves the word."""
+
+    value: int = READY
+    reset: bool = True
+
+    def meet(self, flag: Loc) -> list[Op]:
+        """The consumer's operations on `flag`."""
+        if self.reset:
+            return [Wait(flag), Write(flag, 0, barrier=False)]
+        return [Wait(flag, self.value | POISON_BIT, mask=True)]
+
+
+def met(word: int, wait: Wait) -> bool:
+    """Whether `wait` is met by a flag word holding `word` (what cuStreamWaitValue32 checks)."""
+    return bool(word & wait.value) if wait.mask else word >= wait.value
+
+
+RESETS = FlagUse()
+# TransportConfig.gpu_flag_resets: "auto" (bits where `flag_use` can, else resets), "each".
+FLAG_RESET_SETTINGS = ("auto", "each")
+
+
+def flag_use(layer: int, num_layers: int, layers_in_flight: int, setting: str = "auto") -> FlagUse:
+    """The flags of `layer` (every stage alike) when a step runs layers 0 .. num_layers - 1 and
+    slot = layer % layers_in_flight: bits when every slot is used at least twice a step
+    (num_layers >= 2 * layers_in_flight; num_layers 0: not known), else resets."""
+    lif = layers_in_flight
+    if setting == "each" or num_layers < 2 * lif:
+        return RESETS
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"GPU hop: layer {layer} outside the model's {num_layers} layers")
+    uses = (num_layers - layer % lif + lif - 1) // lif  # of this slot in a step
+    use = layer // lif
+    if uses % 2 and use == uses - 1:
+        return FlagUse(1 << 2, reset=False)  # not bit 0, the next step's first use
+    return FlagUse(1 << (use % 2), reset=False)
+
+
+def attention_send_ops(
+    rank: int, slot: int, rows: int, ffn_peers: int, router: bool, use: FlagUse = RESETS
+) -> list[Op]:
     """The send half of one (layer, stage) on attention rank `rank`: its `rows` rows (from
     "input") into its send slot, then a "hidden ready" flag per FFN peer."""
     me = ("attention", rank)
     ops: list[Op] = [Copy(Loc(*me, "send_hidden", (slot,)), Loc(*me, "input"), rows)]
     if router:
         ops.append(Copy(Loc(*me, "send_router", (slot,)), Loc(*me, "input"), rows, router=True))
-    ops += [Write(Loc(*me, "hidden_ready", (slot, p)), READY) for p in range(ffn_peers)]
+    ops += [Write(Loc(*me, "hidden_ready", (slot, p)), use.value) for p in range(ffn_peers)]
     return ops
 
 
-def attention_take_ops(rank: int, slot: int, ffn_peers: int) -> list[Op]:
-    """The take half: wait for each FFN peer's "output ready" flag and reset it."""
+def attention_take_ops(rank: int, slot: int, ffn_peers: int, use: FlagUse = RESETS) -> list[Op]:
+    """The take half: meet each FFN peer's "output ready" flag."""
     ops: list[Op] = []
     for p in range(ffn_peers):
-        flag = Loc("attention", rank, "output_ready", (slot, p))
-        ops += [Wait(flag), Write(flag, 0, barrier=False)]
+        ops += use.meet(Loc("attention", rank, "output_ready", (slot, p)))
     return ops
 
 
-def attention_ops(rank: int, slot: int, rows: int, ffn_peers: int, router: bool) -> list[Op]:
+def attention_ops(
+    rank: int, slot: int, rows: int, ffn_peers: int, router: bool, use: FlagUse = RESETS
+) -> list[Op]:
     """One (layer, stage) on attention rank `rank`: send `rows` rows (from "input") to its
     `ffn_peers` FFN peers, then wait for each one's output. Everything is its own memory."""
-    return attention_send_ops(rank, slot, rows, ffn_peers, router) + attention_take_ops(
-        rank, slot, ffn_peers
+    return attention_send_ops(rank, slot, rows, ffn_peers, router, use) + attention_take_ops(
+        rank, slot, ffn_peers, use
     )
 
 
@@ -169,14 +225,19 @@ class AttentionPeer:
 
 
 def ffn_ops(
-    rank: int, layer: int, stage: int, slot: int, peers: Sequence[AttentionPeer], router: bool
+    rank: int,
+    layer: int,
+    stage: int,
+    slot: int,
+    peers: Sequence[AttentionPeer],
+    router: bool,
+    use: FlagUse = RESETS,
 ) -> list[Op]:
     """One (layer, stage) on FFN rank `rank`: take every attention peer's rows, compute, answer."""
     me = ("ffn", rank)
     ops: list[Op] = []
     for a in peers:
-        ready = Loc("attention", a.rank, "hidden_ready", (slot, a.my_pos))
-        ops += [Wait(ready), Write(ready, 0, barrier=False)]
+        ops += use.meet(Loc("attention", a.rank, "hidden_ready", (slot, a.my_pos)))
         ops.append(
             Copy(
                 Loc(*me, "recv_hidden", (slot,), a.start),
@@ -202,7 +263,7 @@ def ffn_ops(
                 a.rows,
             )
         )
-        ops.append(Write(Loc("attention", a.rank, "output_ready", (slot, a.my_pos)), READY))
+        ops.append(Write(Loc("attention", a.rank, "output_ready", (slot, a.my_pos)), use.value))
     return ops
 
 

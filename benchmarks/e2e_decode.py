@@ -581,7 +581,7 @@ def main() -> None:
         "--part", default="",
         help="comma-separated parts to run, interleaved per round (else: summarise state); "
         "with --interleave: two or more of colocated, afd, afd_relay, afd_unbatched, afd_dbo, "
-        "afd_base, afd_poll, afd_memset (default colocated,afd)",
+        "afd_base, afd_poll, afd_memset, afd_resets (default colocated,afd)",
     )  # fmt: skip
     gpu.add_argument("--state", default="e2e_gpu_state.json", help="runs' figures accumulate here")
     gpu.add_argument("--batches", default="16,64,256")

@@ -31,7 +31,10 @@ pair run from another checkout (`--base-tree DIR`: its afd-ctl, plugin and runne
 the AFD pair whose FFN host polls for the next direct payload for 50 ms after each step instead
 of sleeping (`AFD_FFN_POLL_S=0.05`); `afd_memset` is the AFD pair whose GPU path raises its
 flags with `cuMemsetD32Async` (`AFD_DATA_GPU_FLAG_WRITES=memset`), GPU only, so `--part
-colocated,afd,afd_memset` measures that candidate in one call. Every later part is compared with every earlier one
+colocated,afd,afd_memset` measures that candidate in one call; `afd_resets` is the AFD pair
+whose GPU path writes every flag back after its wait (`AFD_DATA_GPU_FLAG_RESETS=each`, the
+protocol before flags met by bit), GPU only, so `--part afd_resets,afd` measures that change in
+one call. Every later part is compared with every earlier one
 (`ratio_tpot_afd_dbo_vs_afd`, `ratio_tpot_afd_dbo_vs_colocated`, ...). One H200 holds two
 V3-shaped engines of 3 layers, not three: there, `colocated,afd_dbo` and `afd,afd_dbo` are two
 calls.
@@ -88,7 +91,7 @@ def _runner(
 
 INTERLEAVED_PARTS = (
     "colocated", "afd", "afd_relay", "afd_unbatched", "afd_dbo", "afd_base", "afd_poll",
-    "afd_memset",
+    "afd_memset", "afd_resets",
 )  # fmt: skip
 AFD_PARTS = INTERLEAVED_PARTS[1:]
 # The afd_relay part: step payloads through afd-ctl's relay only (no direct copy on the host).
@@ -103,6 +106,8 @@ PART_ENV = {
     "afd_poll": {"AFD_FFN_POLL_S": "0.05"},
     # The afd_memset part: the GPU path's flags by cuMemsetD32Async (afd_data.gpu_protocol).
     "afd_memset": {"AFD_DATA_GPU_FLAG_WRITES": "memset"},
+    # The afd_resets part: every flag written back after its wait (gpu_protocol.flag_use).
+    "afd_resets": {"AFD_DATA_GPU_FLAG_RESETS": "each"},
 }
 
 
@@ -116,8 +121,9 @@ def parts_of(args: argparse.Namespace) -> list[str]:
         )
     if "afd_dbo" in parts and not args.gpu:
         raise SystemExit("--part afd_dbo needs --gpu: vLLM's micro-batching runs on CUDA only")
-    if "afd_memset" in parts and not args.gpu:
-        raise SystemExit("--part afd_memset needs --gpu: it changes the GPU path's flag writes")
+    for part in ("afd_memset", "afd_resets"):
+        if part in parts and not args.gpu:
+            raise SystemExit(f"--part {part} needs --gpu: it changes the GPU path's flags")
     if "afd_base" in parts:
         base_tree(args)
     return parts

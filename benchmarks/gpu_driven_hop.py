@@ -46,9 +46,10 @@ def _transport(role: str, device: str, args: argparse.Namespace) -> Any:
     from afd_data import NixlTransport, TransportConfig
     from afd_data.gpu_hop import GpuHop
 
-    config = TransportConfig(
+    # AFD_DATA_GPU_FLAG_RESETS (both processes) picks how the flags meet (gpu_protocol.flag_use).
+    config = TransportConfig.from_env(
         hidden_size=args.hidden, max_tokens_per_peer=args.rows, dtype="bfloat16",
-        num_attention=1, num_ffn=1, recv_timeout_s=30.0,
+        num_attention=1, num_ffn=1, recv_timeout_s=30.0, num_layers=args.layers,
     )  # fmt: skip
     transport = NixlTransport(f"hop-{role}-{time.time_ns()}", role, 0, config, device=device)
     hop = GpuHop(transport.role, 0, config, transport.layout, transport.local)
@@ -151,6 +152,7 @@ def attention_main(args: argparse.Namespace) -> dict[str, Any]:
             "benchmark": "gpu_driven_hop",
             "path": gpu.path,
             "flag_writes": gpu.flag_writes,  # AFD_DATA_GPU_FLAG_WRITES, both processes
+            "flag_write_backs": gpu.flag_use(0).reset,  # False: bits (AFD_DATA_GPU_FLAG_RESETS)
             "gpus": 1 if args.one_gpu else 2,
             "mps": args.mps,
             "rows": args.rows,

@@ -25,6 +25,7 @@ from afd_data.gpu_protocol import (
     Write,
     attention_ops,
     ffn_ops,
+    met,
 )
 
 
@@ -59,7 +60,7 @@ class SimStream(threading.Thread):
                 continue
             kind, item = self.queue[0]
             if kind == "op" and isinstance(item, Wait):
-                if self.gpu.flags.get(_key(item.flag), 0) < item.value:
+                if not met(self.gpu.flags.get(_key(item.flag), 0), item):
                     time.sleep(20e-6)
                     continue
             elif kind == "op" and isinstance(item, Write):

@@ -333,3 +333,29 @@ def test_a_waiter_that_was_itself_stopped_does_not_blame_its_peer() -> None:
     # Gaps of up to 50 ms between polls are polling, not a stall: no credit.
     answered, at = waited([0.04] * 1000, None)
     assert not answered and 0.5 <= at < 0.55
+
+
+def test_peers_must_meet_their_gpu_flags_alike() -> None:
+    """The GPU-driven hop's flags follow num_layers and gpu_flag_resets (gpu_protocol.flag_use):
+    a peer that differs in either would never meet them, so the blob carries both and the
+    connect refuses the difference, saying where each comes from; a worker older than the
+    fields (0, "") reads as one that wrote every flag back."""
+    from afd_data import TransportConfig
+    from afd_data.blob import PeerBlob, decode_blob, encode_blob, shape_mismatches
+    from afd_data.v1 import blob_pb2
+
+    mine = TransportConfig(hidden_size=8, max_tokens_per_peer=2, num_layers=61)
+    blob = PeerBlob("a", b"md", Role.FFN, 0, "DRAM", 4096, 1024, 0, mine.shape_fields())
+    assert decode_blob(encode_blob(blob)).shape["num_layers"] == 61
+    theirs = TransportConfig(**{**mine.shape_fields(), "gpu_flag_resets": "each"})
+    (diff,) = shape_mismatches(mine.shape_fields(), theirs.shape_fields())
+    assert diff.startswith("gpu_flag_resets: this worker 'auto', peer 'each'")
+    assert "AFD_DATA_GPU_FLAG_RESETS" in diff
+    old = blob_pb2.DataPlaneBlob()
+    old.ParseFromString(encode_blob(blob))
+    old.shape.num_layers, old.shape.gpu_flag_resets = 0, ""
+    older = decode_blob(old.SerializeToString()).shape
+    assert (older["num_layers"], older["gpu_flag_resets"]) == (0, "each")
+    diffs = shape_mismatches(mine.shape_fields(), older)
+    assert [d.split(":")[0] for d in diffs] == ["num_layers", "gpu_flag_resets"]
+    assert "one afd-ctl version on every worker" in diffs[0]

@@ -17,11 +17,14 @@ import pytest
 from afd_ctl.routing import Role, peer_ranks
 from afd_data.gpu_protocol import (
     POISON,
+    POISON_BIT,
     READY,
+    RESETS,
     AttentionPeer,
     Compute,
     Copy,
     FlagLayout,
+    FlagUse,
     GpuEndpoint,
     Loc,
     Wait,
@@ -30,23 +33,27 @@ from afd_data.gpu_protocol import (
     choose_path,
     epoch_tag,
     ffn_ops,
+    flag_use,
+    met,
     one_path,
 )
 
 
 class Machine:
-    """M attention and N FFN streams over dict memories; rows are tuples naming their origin."""
+    """M attention and N FFN streams over dict memories; rows are tuples naming their origin.
+    `resets`: TransportConfig.gpu_flag_resets ("auto": bits, where flag_use can)."""
 
     def __init__(self, m: int, n: int, layers: int, stages: int, slots_per_stage: int,
-                 rows: list[int], router: bool, seed: int) -> None:  # fmt: skip
+                 rows: list[int], router: bool, seed: int, resets: str = "each") -> None:  # fmt: skip
         self.m, self.n, self.layers, self.stages = m, n, layers, stages
         self.lif = slots_per_stage
         self.rows = rows  # per attention rank
         self.router = router
+        self.resets = resets
         self.rng = random.Random(seed)
         self.flags: dict[tuple, int] = {}
         self.mem: dict[tuple, dict[int, object]] = {}
-        self.step = 0
+        self.step = 0  # steps run so far
         self.checked = 0
         self.ffn_peers = {a: peer_ranks(Role.ATTENTION, a, m, n) for a in range(m)}
         self.att_peers = {f: peer_ranks(Role.FFN, f, m, n) for f in range(n)}
@@ -54,18 +61,28 @@ class Machine:
     def slot(self, layer: int, stage: int) -> int:
         return stage * self.lif + layer % self.lif
 
-    def blocks(self) -> list[tuple[int, int]]:
-        return [(layer, stage) for layer in range(self.layers) for stage in range(self.stages)]
+    def use(self, layer: int) -> FlagUse:
+        return flag_use(layer, self.layers, self.lif, self.resets)
 
-    def programs(self) -> dict[tuple[str, int], list[tuple[tuple[int, int], object]]]:
-        """Per stream: its ops of one step, each tagged with its (layer, stage)."""
+    def blocks(self, steps: int) -> list[tuple[int, int, int]]:
+        return [(self.step + k, layer, stage) for k in range(steps)
+                for layer in range(self.layers) for stage in range(self.stages)]  # fmt: skip
+
+    def programs(self, steps: int) -> dict[tuple[str, int], list[tuple[tuple, object]]]:
+        """Per stream: its ops of `steps` steps in a row (the same lists each step, as a
+        captured graph replays them), each tagged with its (step, layer, stage)."""
         progs: dict[tuple[str, int], list] = {}
         for a in range(self.m):
             progs[("attention", a)] = [
-                ((layer, stage), op)
-                for layer, stage in self.blocks()
+                ((step, layer, stage), op)
+                for step, layer, stage in self.blocks(steps)
                 for op in attention_ops(
-                    a, self.slot(layer, stage), self.rows[a], len(self.ffn_peers[a]), self.router
+                    a,
+                    self.slot(layer, stage),
+                    self.rows[a],
+                    len(self.ffn_peers[a]),
+                    self.router,
+                    self.use(layer),
                 )
             ]
         for f in range(self.n):
@@ -74,9 +91,11 @@ class Machine:
                 peers.append(AttentionPeer(a, self.ffn_peers[a].index(f), start, self.rows[a]))
                 start += self.rows[a]
             progs[("ffn", f)] = [
-                ((layer, stage), op)
-                for layer, stage in self.blocks()
-                for op in ffn_ops(f, layer, stage, self.slot(layer, stage), peers, self.router)
+                ((step, layer, stage), op)
+                for step, layer, stage in self.blocks(steps)
+                for op in ffn_ops(
+                    f, layer, stage, self.slot(layer, stage), peers, self.router, self.use(layer)
+                )
             ]
         return progs
 
@@ -87,21 +106,22 @@ class Machine:
     def _rows(self, loc: Loc) -> dict[int, object]:
         return self.mem.setdefault((loc.owner, loc.rank, loc.area, loc.index), {})
 
-    def _input(self, rank: int, layer: int, stage: int, i: int, router: bool) -> tuple:
-        return ("router" if router else "hidden", self.step, layer, stage, rank, i)
+    @staticmethod
+    def _input(step: int, rank: int, layer: int, stage: int, i: int, router: bool) -> tuple:
+        return ("router" if router else "hidden", step, layer, stage, rank, i)
 
-    def run_op(self, stream: tuple[str, int], block: tuple[int, int], op: object) -> bool:
+    def run_op(self, stream: tuple[str, int], block: tuple[int, int, int], op: object) -> bool:
         """Runs `op` if it can run now; False if it must wait."""
-        layer, stage = block
+        step, layer, stage = block
         if isinstance(op, Wait):
-            return self.flags.get(self._flag(op.flag), 0) >= op.value
+            return met(self.flags.get(self._flag(op.flag), 0), op)
         if isinstance(op, Write):
             self.flags[self._flag(op.flag)] = op.value
         elif isinstance(op, Copy):
             dst = self._rows(op.dst)
             if op.src.area == "input":
                 for i in range(op.rows):
-                    dst[op.dst.row + i] = self._input(op.src.rank, layer, stage, i, op.router)
+                    dst[op.dst.row + i] = self._input(step, op.src.rank, layer, stage, i, op.router)
             else:
                 src = self._rows(op.src)
                 for i in range(op.rows):
@@ -115,30 +135,36 @@ class Machine:
             start = 0
             for a in self.att_peers[f]:
                 for i in range(self.rows[a]):
-                    want = self._input(a, layer, stage, i, False)
+                    want = self._input(step, a, layer, stage, i, False)
                     assert hidden.get(start + i) == want, (
-                        f"ffn {f} step {self.step} layer {layer} stage {stage} row {start + i}: "
+                        f"ffn {f} step {step} layer {layer} stage {stage} row {start + i}: "
                         f"{hidden.get(start + i)} instead of {want}"
                     )
                     if self.router:
-                        assert router.get(start + i) == self._input(a, layer, stage, i, True)
+                        assert router.get(start + i) == self._input(step, a, layer, stage, i, True)
                     out[start + i] = ("out", f, want)
                     self.checked += 1
                 start += self.rows[a]
         return True
 
-    def check_outputs(self, a: int, layer: int, stage: int) -> None:
+    def check_outputs(self, a: int, step: int, layer: int, stage: int) -> None:
         slot = self.slot(layer, stage)
         for pos, f in enumerate(self.ffn_peers[a]):
             got = self._rows(Loc("attention", a, "recv_output", (slot, pos)))
             for i in range(self.rows[a]):
-                want = ("out", f, self._input(a, layer, stage, i, False))
+                want = ("out", f, self._input(step, a, layer, stage, i, False))
                 assert got.get(i) == want, f"attention {a} got {got.get(i)} instead of {want}"
                 self.checked += 1
 
     def run_step(self, stop_ffn_after: int | None = None, poison: bool = False) -> None:
-        """One step: every stream replays its program once, in a random interleaving."""
-        progs = self.programs()
+        self.run_steps(1, stop_ffn_after, poison)
+
+    def run_steps(
+        self, steps: int, stop_ffn_after: int | None = None, poison: bool = False
+    ) -> None:
+        """`steps` steps, every stream running on into the next step as soon as it can (a
+        stream's next replay is queued behind its last), in a random interleaving."""
+        progs = self.programs(steps)
         pc = dict.fromkeys(progs, 0)
         done_ops = 0
         while True:
@@ -160,7 +186,7 @@ class Machine:
                         for area, index in layout.flags_waited_on():
                             self.flags[("attention", a, area, index)] = POISON
                     continue
-                raise AssertionError(f"deadlock at step {self.step}: {pc}")
+                raise AssertionError(f"deadlock after step {self.step}: {pc}")
             stream = self.rng.choice(runnable)
             block, op = progs[stream][pc[stream]]
             assert self.run_op(stream, block, op)
@@ -169,7 +195,7 @@ class Machine:
             nxt = progs[stream][pc[stream]] if pc[stream] < len(progs[stream]) else None
             if stream[0] == "attention" and not poison and (nxt is None or nxt[0] != block):
                 self.check_outputs(stream[1], *block)  # the block's outputs are in: read them
-        self.step += 1
+        self.step += steps
 
 
 @pytest.mark.parametrize(
@@ -177,22 +203,61 @@ class Machine:
     [(1, 1, 1, 1, False), (1, 1, 2, 1, True), (2, 1, 1, 2, False), (1, 2, 1, 1, False),
      (2, 2, 2, 2, True), (3, 2, 1, 1, False)],
 )  # fmt: skip
-def test_replayed_steps_deliver_every_row_in_any_interleaving(m, n, stages, lif, router):
+@pytest.mark.parametrize("layers", [4, 5])
+@pytest.mark.parametrize("resets", ["each", "auto"])
+def test_replayed_steps_deliver_every_row_in_any_interleaving(m, n, stages, lif, router, layers,
+                                                              resets):  # fmt: skip
     for seed in range(6):
-        machine = Machine(m, n, layers=4, stages=stages, slots_per_stage=lif,
-                          rows=[3 + a for a in range(m)], router=router, seed=seed)  # fmt: skip
-        for _ in range(5):  # the same lists replayed, as a captured graph is
+        machine = Machine(m, n, layers=layers, stages=stages, slots_per_stage=lif,
+                          rows=[3 + a for a in range(m)], router=router, seed=seed,
+                          resets=resets)  # fmt: skip
+        machine.run_steps(3)  # the same lists replayed, each stream running ahead
+        for _ in range(2):  # and with every stream at a step boundary in between
             machine.run_step()
         assert machine.checked > 0
-        # Every flag is back at 0 between steps: a replay never sees a stale READY.
-        assert set(machine.flags.values()) <= {0}
+        if resets == "each":  # every flag is back at 0 between steps
+            assert set(machine.flags.values()) <= {0}
+
+
+def test_flags_meet_without_write_backs_where_every_slot_is_used_twice_a_step():
+    for lif in (1, 2, 3):
+        for layers in range(1, 10):
+            uses = [flag_use(layer, layers, lif) for layer in range(layers)]
+            if layers < 2 * lif:  # a slot used once a step: its flag would look met already
+                assert uses == [RESETS] * layers
+                continue
+            assert not any(u.reset for u in uses)
+            for slot in range(lif):
+                bits = [u.value for layer, u in enumerate(uses) if layer % lif == slot]
+                # Each use differs from the one before it, the next step's first included.
+                assert all(b != a for a, b in zip(bits, bits[1:] + bits[:1], strict=True))
+                assert all(b & POISON and not b & POISON_BIT for b in bits)
+    assert flag_use(3, 8, 1, "each") == RESETS
+    assert flag_use(0, 0, 1) == RESETS  # the layers not known
+    with pytest.raises(ValueError, match="layer 8 outside the model's 8 layers"):
+        flag_use(8, 8, 1)
+
+
+def test_a_wait_met_by_a_stale_bit_is_impossible_and_poison_meets_every_wait():
+    flag = Loc("attention", 0, "output_ready", (0, 0))
+    for layer in range(5):
+        use = flag_use(layer, 5, 1)
+        (wait,) = use.meet(flag)
+        previous = flag_use((layer - 1) % 5, 5, 1).value
+        assert met(use.value, wait) and not met(previous, wait) and not met(0, wait)
+        assert met(POISON, wait)
+    wait, write_back = RESETS.meet(flag)
+    assert met(READY, wait) and met(POISON, wait) and not met(0, wait)
+    assert write_back == Write(flag, 0, barrier=False)
 
 
 def test_poison_releases_the_attention_stream_when_the_ffn_side_dies_mid_step():
-    machine = Machine(1, 1, layers=4, stages=1, slots_per_stage=1, rows=[2], router=False, seed=1)
-    machine.run_step()
-    machine.run_step(stop_ffn_after=7, poison=True)  # it finishes instead of hanging
-    assert machine.step == 2
+    for resets in ("each", "auto"):
+        machine = Machine(1, 1, layers=4, stages=1, slots_per_stage=1, rows=[2], router=False,
+                          seed=1, resets=resets)  # fmt: skip
+        machine.run_step()
+        machine.run_step(stop_ffn_after=7, poison=True)  # it finishes instead of hanging
+        assert machine.step == 2
 
 
 def test_flag_layout_places_every_word_once():
@@ -245,7 +310,7 @@ class _DriverCalls:
 
 
 def test_flag_writes_follow_their_setting_and_a_bad_one_is_refused(monkeypatch) -> None:
-    from afd_data.gpu_hop import write_flag
+    from afd_data.cuda_driver import write_flag
     from afd_data.gpu_protocol import flag_write_setting
 
     raise_flag = Write(Loc("ffn", 0, "hidden_ready", (0, 0)), READY)
@@ -256,8 +321,8 @@ def test_flag_writes_follow_their_setting_and_a_bad_one_is_refused(monkeypatch) 
     for how in ("stream", "memset"):
         monkeypatch.setenv("AFD_DATA_GPU_FLAG_WRITES", f" {how.upper()} ")
         assert flag_write_setting() == how
-        write_flag(cuda, 7, 0x1000, raise_flag, how)
-        write_flag(cuda, 7, 0x1004, reset, how)
+        write_flag(cuda, 7, 0x1000, raise_flag.value, raise_flag.barrier, how)
+        write_flag(cuda, 7, 0x1004, reset.value, reset.barrier, how)
     assert cuda.calls == [
         ("cuStreamWriteValue32", 7, 0x1000, READY, True),
         ("cuStreamWriteValue32", 7, 0x1004, 0, False),

@@ -67,6 +67,7 @@ def main() -> int:
         max_tokens_per_peer=args.max_tokens,
         dtype="float32",
         num_stages=2,
+        num_layers=args.layers,  # the FFN server's model's (a shape field)
     )
     t = NixlTransport("two-stage-attention", Role.ATTENTION, 0, cfg)
     client = ControllerClient(

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61\x66\x64_data/v1/blob.proto\x12\x0b\x61\x66\x64.data.v1\"\xa7\x02\n\x0b\x42ufferShape\x12\x13\n\x0bhidden_size\x18\x01 \x01(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0crouter_width\x18\x03 \x01(\r\x12\x14\n\x0crouter_dtype\x18\x04 \x01(\t\x12\x1b\n\x13max_tokens_per_peer\x18\x05 \x01(\r\x12\x12\n\nnum_stages\x18\x06 \x01(\r\x12\x18\n\x10layers_in_flight\x18\x07 \x01(\r\x12\x15\n\rnum_attention\x18\x08 \x01(\r\x12\x0f\n\x07num_ffn\x18\t \x01(\r\x12\x19\n\x11\x61ttention_tp_size\x18\n \x01(\r\x12\x12\n\nffn_groups\x18\x0b \x01(\r\x12\x15\n\rmax_attention\x18\x0c \x01(\r\x12\x0f\n\x07max_ffn\x18\r \x01(\r\"?\n\x0cMemoryRegion\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x8d\x02\n\rDataPlaneBlob\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x1f\n\x04role\x18\x04 \x01(\x0e\x32\x11.afd.data.v1.Role\x12\x11\n\trole_rank\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12.\n\x0brecv_region\x18\x07 \x01(\x0b\x32\x19.afd.data.v1.MemoryRegion\x12\'\n\x05shape\x18\x08 \x01(\x0b\x32\x18.afd.data.v1.BufferShape\x12 \n\x03gpu\x18\t \x01(\x0b\x32\x13.afd.data.v1.GpuHop\"Z\n\x06GpuHop\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x15\n\rbuffer_offset\x18\x03 \x01(\x04\x12\x14\n\x0c\x66lags_offset\x18\x04 \x01(\x04*4\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tATTENTION\x10\x01\x12\x07\n\x03\x46\x46N\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61\x66\x64_data/v1/blob.proto\x12\x0b\x61\x66\x64.data.v1\"\xd4\x02\n\x0b\x42ufferShape\x12\x13\n\x0bhidden_size\x18\x01 \x01(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0crouter_width\x18\x03 \x01(\r\x12\x14\n\x0crouter_dtype\x18\x04 \x01(\t\x12\x1b\n\x13max_tokens_per_peer\x18\x05 \x01(\r\x12\x12\n\nnum_stages\x18\x06 \x01(\r\x12\x18\n\x10layers_in_flight\x18\x07 \x01(\r\x12\x15\n\rnum_attention\x18\x08 \x01(\r\x12\x0f\n\x07num_ffn\x18\t \x01(\r\x12\x19\n\x11\x61ttention_tp_size\x18\n \x01(\r\x12\x12\n\nffn_groups\x18\x0b \x01(\r\x12\x15\n\rmax_attention\x18\x0c \x01(\r\x12\x0f\n\x07max_ffn\x18\r \x01(\r\x12\x12\n\nnum_layers\x18\x0e \x01(\r\x12\x17\n\x0fgpu_flag_resets\x18\x0f \x01(\t\"?\n\x0cMemoryRegion\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x8d\x02\n\rDataPlaneBlob\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x1f\n\x04role\x18\x04 \x01(\x0e\x32\x11.afd.data.v1.Role\x12\x11\n\trole_rank\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12.\n\x0brecv_region\x18\x07 \x01(\x0b\x32\x19.afd.data.v1.MemoryRegion\x12\'\n\x05shape\x18\x08 \x01(\x0b\x32\x18.afd.data.v1.BufferShape\x12 \n\x03gpu\x18\t \x01(\x0b\x32\x13.afd.data.v1.GpuHop\"Z\n\x06GpuHop\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x15\n\rbuffer_offset\x18\x03 \x01(\x04\x12\x14\n\x0c\x66lags_offset\x18\x04 \x01(\x04*4\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tATTENTION\x10\x01\x12\x07\n\x03\x46\x46N\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'afd_data.v1.blob_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=766
-  _globals['_ROLE']._serialized_end=818
+  _globals['_ROLE']._serialized_start=811
+  _globals['_ROLE']._serialized_end=863
   _globals['_BUFFERSHAPE']._serialized_start=40
-  _globals['_BUFFERSHAPE']._serialized_end=335
-  _globals['_MEMORYREGION']._serialized_start=337
-  _globals['_MEMORYREGION']._serialized_end=400
-  _globals['_DATAPLANEBLOB']._serialized_start=403
-  _globals['_DATAPLANEBLOB']._serialized_end=672
-  _globals['_GPUHOP']._serialized_start=674
-  _globals['_GPUHOP']._serialized_end=764
+  _globals['_BUFFERSHAPE']._serialized_end=380
+  _globals['_MEMORYREGION']._serialized_start=382
+  _globals['_MEMORYREGION']._serialized_end=445
+  _globals['_DATAPLANEBLOB']._serialized_start=448
+  _globals['_DATAPLANEBLOB']._serialized_end=717
+  _globals['_GPUHOP']._serialized_start=719
+  _globals['_GPUHOP']._serialized_end=809
 # @@protoc_insertion_point(module_scope)

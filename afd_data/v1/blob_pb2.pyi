@@ -16,7 +16,7 @@ ATTENTION: Role
 FFN: Role
 
 class BufferShape(_message.Message):
-    __slots__ = ("hidden_size", "dtype", "router_width", "router_dtype", "max_tokens_per_peer", "num_stages", "layers_in_flight", "num_attention", "num_ffn", "attention_tp_size", "ffn_groups", "max_attention", "max_ffn")
+    __slots__ = ("hidden_size", "dtype", "router_width", "router_dtype", "max_tokens_per_peer", "num_stages", "layers_in_flight", "num_attention", "num_ffn", "attention_tp_size", "ffn_groups", "max_attention", "max_ffn", "num_layers", "gpu_flag_resets")
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROUTER_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class BufferShape(_message.Message):
     FFN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     MAX_FFN_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GPU_FLAG_RESETS_FIELD_NUMBER: _ClassVar[int]
     hidden_size: int
     dtype: str
     router_width: int
@@ -43,7 +45,9 @@ class BufferShape(_message.Message):
     ffn_groups: int
     max_attention: int
     max_ffn: int
-    def __init__(self, hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., router_width: _Optional[int] = ..., router_dtype: _Optional[str] = ..., max_tokens_per_peer: _Optional[int] = ..., num_stages: _Optional[int] = ..., layers_in_flight: _Optional[int] = ..., num_attention: _Optional[int] = ..., num_ffn: _Optional[int] = ..., attention_tp_size: _Optional[int] = ..., ffn_groups: _Optional[int] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    gpu_flag_resets: str
+    def __init__(self, hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., router_width: _Optional[int] = ..., router_dtype: _Optional[str] = ..., max_tokens_per_peer: _Optional[int] = ..., num_stages: _Optional[int] = ..., layers_in_flight: _Optional[int] = ..., num_attention: _Optional[int] = ..., num_ffn: _Optional[int] = ..., attention_tp_size: _Optional[int] = ..., ffn_groups: _Optional[int] = ..., max_attention: _Optional[int] = ..., max_ffn: _Optional[int] = ..., num_layers: _Optional[int] = ..., gpu_flag_resets: _Optional[str] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "length", "device_id")

@@ -47,13 +47,17 @@ for step in "$@"; do
       # (about 60 s on one warm H100, at most 480 s by the bounds: give device_call.sh 300.)
       timeout 120 python3 "$ROOT/benchmarks/gpu_hop_ops.py" $mps > "$OUT/hop_ops.txt" 2>&1 || rc=1
       tail -1 "$OUT/hop_ops.txt" | cut -c1-1500
-      # Each flag write kind of AFD_DATA_GPU_FLAG_WRITES (afd_data.gpu_protocol), same layers.
-      for flags in stream memset; do
-        for rows in 16 64; do
-          AFD_DATA_GPU_FLAG_WRITES=$flags timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" \
-            --one-gpu $mps --iters 100 --warmup 20 --layers 16 --replays 30 --rows $rows \
-            --work-mib 4096 > "$OUT/hop_work_${flags}_rows$rows.txt" 2>&1 || rc=1
-          tail -1 "$OUT/hop_work_${flags}_rows$rows.txt" | cut -c1-1500
+      # Each flag write kind of AFD_DATA_GPU_FLAG_WRITES and each way of meeting the flags of
+      # AFD_DATA_GPU_FLAG_RESETS (afd_data.gpu_protocol), same layers.
+      for resets in each auto; do
+        for flags in stream memset; do
+          for rows in 16 64; do
+            AFD_DATA_GPU_FLAG_WRITES=$flags AFD_DATA_GPU_FLAG_RESETS=$resets timeout 90 \
+              python3 "$ROOT/benchmarks/gpu_driven_hop.py" --one-gpu $mps --iters 100 \
+              --warmup 20 --layers 16 --replays 30 --rows $rows --work-mib 4096 \
+              > "$OUT/hop_work_${flags}_${resets}_rows$rows.txt" 2>&1 || rc=1
+            tail -1 "$OUT/hop_work_${flags}_${resets}_rows$rows.txt" | cut -c1-1500
+          done
         done
       done ;;
     host)

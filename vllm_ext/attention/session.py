@@ -130,6 +130,7 @@ class AttentionSession:
             num_ffn=num_ffn,
             ffn_groups=ffn_groups,
             hidden_size=model_config.hf_config.hidden_size,
+            num_layers=self.num_layers,
             max_tokens=max_tokens,
             timeout_s=afd.step_timeout_s,
             warmup_timeout_s=afd.warmup_timeout_s,

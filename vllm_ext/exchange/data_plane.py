@@ -69,6 +69,7 @@ class DataPlane:
         num_ffn: int,
         ffn_groups: int | None = None,
         num_stages: int | None = None,
+        num_layers: int = 0,
         device: str | None = None,
         capacity: tuple[int, int] = (0, 0),
     ) -> None:
@@ -89,6 +90,7 @@ class DataPlane:
             router_width=router[0],
             router_dtype=router[1],
             num_stages=num_stages,
+            num_layers=num_layers,  # the GPU hop's flags follow them (gpu_protocol.flag_use)
             # Issue 37, `capacity` (max attention, max FFN ranks): sized for the largest
             # membership `afd-ctl scale` may move to (0, 0: exactly num_attention:num_ffn);
             # each connect then takes the view's routing.

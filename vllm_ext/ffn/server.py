@@ -123,6 +123,7 @@ class FfnWorker:
             num_ffn=num_ffn,
             ffn_groups=ffn_groups,
             hidden_size=hf.hidden_size,
+            num_layers=self.engine.num_layers,
             max_tokens=afd.max_tokens or self.vllm_config.scheduler_config.max_num_batched_tokens,
             timeout_s=afd.step_timeout_s,
             warmup_timeout_s=afd.warmup_timeout_s,
