@@ -202,10 +202,17 @@ class AttentionSession:
     def exchange_for_step(self) -> AttentionExchange:
         if self._link is None or self.client is None:
             raise RuntimeError("afd: attention session is closed")
-        if self._link.exchange is not None:
-            self._link.exchange.raise_failure()  # steps in flight failed: this one fails now
-        self.ensure_connected()
+        # Steps in flight failed: this one fails now, unless a reconnect comes first (its
+        # drain forgets them; a failure kept until the next request, after the FFN side came
+        # back, failed that request on the GPU check, 2026-12-07).
+        try:
+            self.ensure_connected()
+        except AfdNotReady:
+            if self._link.exchange is not None:
+                self._link.exchange.raise_failure()  # what failed says more than "not ready"
+            raise
         assert self._link.exchange is not None
+        self._link.exchange.raise_failure()
         return self._link.exchange
 
     def across_attention(self, server_counts: list[int]) -> list[int]:
