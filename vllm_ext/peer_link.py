@@ -123,6 +123,11 @@ class PeerLink(Generic[E]):
         transport, view = self.plane.transport, self.client.view
         return transport.lost is None and view.complete and view.epoch == transport.epoch
 
+    def newer_view_known(self) -> bool:
+        """afd-ctl's current view is complete and newer than the data plane's epoch."""
+        view = self.client.view
+        return view is not None and view.complete and view.epoch > self.transport_epoch
+
     def wait_newer(self, timeout_s: float, after_epoch: int | None = None) -> afd_pb2.View:
         """The next complete view newer than `after_epoch` (default: the data plane's)."""
         after = self.transport_epoch if after_epoch is None else after_epoch

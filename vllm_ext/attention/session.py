@@ -202,17 +202,14 @@ class AttentionSession:
     def exchange_for_step(self) -> AttentionExchange:
         if self._link is None or self.client is None:
             raise RuntimeError("afd: attention session is closed")
-        # Steps in flight failed: this one fails now, unless a reconnect comes first (its
-        # drain forgets them; a failure kept until the next request, after the FFN side came
-        # back, failed that request on the GPU check, 2026-12-07).
-        try:
-            self.ensure_connected()
-        except AfdNotReady:
-            if self._link.exchange is not None:
-                self._link.exchange.raise_failure()  # what failed says more than "not ready"
-            raise
+        # Steps in flight failed: this one fails now, unless afd-ctl already has a newer
+        # complete view: then the reconnect (its drain forgets the old epoch's failures) comes
+        # first. (A failure kept until the next request, after the FFN side came back and
+        # /health said 200, failed that request on the GPU check, 2026-12-07.)
+        if self._link.exchange is not None and not self._link.newer_view_known():
+            self._link.exchange.raise_failure()
+        self.ensure_connected()
         assert self._link.exchange is not None
-        self._link.exchange.raise_failure()
         return self._link.exchange
 
     def across_attention(self, server_counts: list[int]) -> list[int]:
