@@ -452,7 +452,7 @@ def test_interleaved_summary_compares_every_later_part_with_every_earlier_one() 
     for bad in ("afd,afd", "afd", "colocated,afd_ep2"):
         with pytest.raises(SystemExit, match="give two or more"):
             parts_of(argparse.Namespace(part=bad, gpu=True))
-    for gpu_only in ("afd_dbo", "afd_memset"):
+    for gpu_only in ("afd_dbo", "afd_memset", "afd_resets"):
         with pytest.raises(SystemExit, match=f"--part {gpu_only} needs --gpu"):
             parts_of(argparse.Namespace(part=f"colocated,{gpu_only}", gpu=False))
     assert (
