@@ -48,7 +48,14 @@ for step in "$@"; do
       timeout 120 python3 "$ROOT/benchmarks/gpu_hop_ops.py" $mps > "$OUT/hop_ops.txt" 2>&1 || rc=1
       tail -1 "$OUT/hop_ops.txt" | cut -c1-1500
       # Each flag write kind of AFD_DATA_GPU_FLAG_WRITES and each way of meeting the flags of
-      # AFD_DATA_GPU_FLAG_RESETS (afd_data.gpu_protocol), same layers.
+      # AFD_DATA_GPU_FLAG_RESETS (afd_data.gpu_protocol), same layers: first the bare hop (a few
+      # µs resolve there; beside a 2.9 ms GEMM they do not), then with the work.
+      for resets in each auto each auto; do
+        AFD_DATA_GPU_FLAG_RESETS=$resets timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" \
+          --one-gpu $mps --iters 300 --layers 61 --replays 200 \
+          >> "$OUT/hop_bare_flag_resets.txt" 2>&1 || rc=1
+        tail -1 "$OUT/hop_bare_flag_resets.txt" | cut -c1-700
+      done
       for resets in each auto; do
         for flags in stream memset; do
           for rows in 16 64; do
