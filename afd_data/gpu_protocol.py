@@ -6,13 +6,15 @@ Who touches what
 ----------------
 The attention side only touches its *own* memory, so the CUDA graphs it captures (vLLM's FULL
 decode graphs, captured once at start-up) stay valid when an FFN server is replaced: it copies
-its rows into its send slot, raises a "hidden ready" flag per FFN peer, waits for an "output
-ready" flag per FFN peer and resets it, and reads the outputs from its receive slot. The FFN
-side does every cross-process access (through CUDA IPC mappings of the attention worker's
-buffer, opened at connect): it waits on the attention worker's "hidden ready" flag and resets
-it, pulls the rows, computes, pushes each peer its output slice, and raises that peer's "output
-ready" flag. An FFN server captures its own graphs again after every reconnect.
+its rows into its send slot, raises a "hidden ready" flag per FFN peer, meets an "output
+ready" flag per FFN peer (see "Flags" below), and reads the outputs from its receive slot. The
+FFN side does every cross-process access (through CUDA IPC mappings of the attention worker's
+buffer, opened at connect): it meets the attention worker's "hidden ready" flag, pulls the
+rows, computes, pushes each peer its output slice, and raises that peer's "output ready" flag.
+An FFN server captures its own graphs again after every reconnect.
 
+Flags
+-----
 Flags are 32-bit words, and a captured wait must stay valid on every replay; a flag is raised
 and met in one of two ways (`flag_use`, the same on both sides: it follows from shape fields):
 - **Bits** (the default where the model's layers are known and each slot is used at least twice
@@ -20,7 +22,7 @@ and met in one of two ways (`flag_use`, the same on both sides: it follows from 
   use of a step included (bits 0 and 1 alternate, and an odd-numbered last use takes bit 2), and
   the consumer waits for that bit (`Wait.mask`) and leaves the word as it is. A stale word
   therefore never meets a wait, and no one writes a flag back: two flag writes per layer fewer,
-  each ~2 µs on the critical path (README, 2026-12-07).
+  each ~1.8 µs of stream work on one side's critical path (README, 2026-12-07).
 - **Resets** (otherwise, or TransportConfig.gpu_flag_resets "each"): the producer raises READY,
   the consumer waits for >= READY and puts the word back to 0 right after.
 A host watchdog releases a stuck wait by writing POISON (>= READY, and every bit a wait masks)
@@ -28,9 +30,9 @@ into the flags its stream waits on, again and again until the stream has drained
 fails on the host (the poisoned step's outputs are never used).
 
 Slots are the data plane's (`layout.slot`): a slot (and its flags) is written again only after
-its previous contents were consumed, because each layer's answer is the next layer's credit (the FFN side
-pulls layer L's rows before it answers layer L, and the attention side sends layer L + slots
-only after it took the answer of layer L + slots - 1).
+its previous contents were consumed, because each layer's answer is the next layer's credit
+(the FFN side pulls layer L's rows before it answers layer L, and the attention side sends
+layer L + slots only after it took the answer of layer L + slots - 1).
 
 Reconnect
 ---------

@@ -191,7 +191,13 @@ class DataPlane:
         else:
             self.hop.config = self.transport.config  # the view's routing (issue 37)
             bound = self.warmup_timeout_s or self.timeout_s
-            self.choice = self.hop.connect(view.epoch, peers, bound, self._idle)
+            try:
+                self.choice = self.hop.connect(view.epoch, peers, bound, self._idle)
+            except Exception as exc:
+                # The transport is at the new epoch but the flags were not zeroed (a peer did
+                # not mark its stream drained): no step may run on them, so this is a loss.
+                self.mark_lost(f"the GPU hop could not connect at epoch {view.epoch}: {exc}")
+                raise
         log.info(
             "afd data path: %s rank %d uses the %s exchange to its %d peer(s) at epoch %d (%s)",
             self.role.label,
