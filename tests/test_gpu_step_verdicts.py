@@ -312,3 +312,58 @@ def test_driver_timing_events_time_work_on_the_current_stream() -> None:
     at_start, at_end = clock.host_time(start), clock.host_time(end)
     assert at_start is not None and at_end is not None
     assert before - 0.01 < at_start < at_end < after + 0.01
+
+
+class _KeptFailureExchange:
+    """What the session asks of the GPU path's exchange between steps, over a real watchdog:
+    the failure of steps in flight (GpuSide.raise_failure) and the drain of a reconnect."""
+
+    def __init__(self, watchdog: StepWatchdog) -> None:
+        self.watchdog = watchdog
+
+    def raise_failure(self) -> None:
+        why = self.watchdog.take_failure()
+        if why is not None:
+            raise gpu_watchdog.failure_error(why)
+
+    def reconnect(self) -> None:  # the drain and reset of GpuSide.drain
+        self.watchdog.drain("reconnecting", 1.0)
+        self.watchdog.reset()
+
+
+@pytest.mark.parametrize("newer_view", [False, True])
+def test_a_kept_failure_fails_the_next_step_unless_the_ffn_side_is_back(
+    side, newer_view: bool
+) -> None:
+    """A step in flight when the FFN server died leaves its failure with the watchdog. The
+    next step fails with it at once while afd-ctl has no newer complete view; once it has (the
+    FFN server is back and /health says 200), the step reconnects first and runs: the GPU
+    check's kill -9 case failed the first request after recovery with the old loss (2026-12-07)."""
+    from types import SimpleNamespace
+
+    from vllm_ext.attention.session import AttentionSession
+
+    s = side()
+    s.gpu.kill_ffn()
+    s.step(1, ffn=False)
+    s.lost = "ffn rank 0 was reported lost by the control plane"
+    s.watchdog.wake()
+    with pytest.raises(AfdPeerLost):
+        s.watchdog.verdict([1], s.bound_s)
+    exchange = _KeptFailureExchange(s.watchdog)
+    session = AttentionSession.__new__(AttentionSession)
+    session.client = object()
+    session._link = SimpleNamespace(exchange=exchange, newer_view_known=lambda: newer_view)
+    reconnects: list[int] = []
+
+    def ensure_connected() -> None:  # what a reconnect to the newer view does to the exchange
+        if newer_view:
+            exchange.reconnect()
+            reconnects.append(1)
+
+    session.ensure_connected = ensure_connected  # type: ignore[method-assign]
+    if newer_view:
+        assert session.exchange_for_step() is exchange and reconnects == [1]
+    else:
+        with pytest.raises(AfdPeerLost, match="reported lost"):
+            session.exchange_for_step()
