@@ -15,6 +15,7 @@ from typing import Any
 from afd_ctl.config import parse_setting
 from afd_ctl.routing import group_count
 from afd_data.errors import AfdBadInput
+from afd_data.gpu_protocol import FLAG_RESET_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -171,10 +172,10 @@ class TransportConfig:
                     f"TransportConfig.max_attention ({self.max_attention}) must be a multiple "
                     f"of attention_tp_size ({self.attention_tp_size})"
                 )
-        if self.gpu_flag_resets not in ("auto", "each"):
+        if self.gpu_flag_resets not in FLAG_RESET_SETTINGS:
             raise AfdBadInput(
-                f"TransportConfig.gpu_flag_resets must be auto or each, got "
-                f"{self.gpu_flag_resets!r}"
+                f"TransportConfig.gpu_flag_resets must be {' or '.join(FLAG_RESET_SETTINGS)}, "
+                f"got {self.gpu_flag_resets!r}"
             )
         if self.num_stages not in (1, 2):
             raise AfdBadInput(f"TransportConfig.num_stages must be 1 or 2, got {self.num_stages!r}")

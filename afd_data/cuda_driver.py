@@ -1,9 +1,9 @@
 """The few CUDA driver calls the GPU-driven hop needs, through ctypes (no extra package).
 
 - stream memory operations: `cuStreamWaitValue32` (the *stream* waits until a 32-bit word is
-  at least a value, or has any bit of a mask; the host does not) and `cuStreamWriteValue32` (a word written in stream
-  order, by default after a memory barrier, so rows copied before it are visible first). Both
-  can be captured in CUDA graphs;
+  at least a value, or has any bit of a mask; the host does not) and `cuStreamWriteValue32` (a
+  word written in stream order, by default after a memory barrier, so rows copied before it are
+  visible first). Both can be captured in CUDA graphs;
 - `cuMemcpyDtoDAsync` on one stream (torch's cross-device `copy_` also makes the other device's
   stream wait, which a graph capture refuses) and `cuMemsetD32Async`;
 - CUDA IPC: `cuIpcGetMemHandle` / `cuIpcOpenMemHandle` / `cuIpcCloseMemHandle`, and
