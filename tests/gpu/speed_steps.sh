@@ -3,7 +3,7 @@
 # each under its own time bound, logs and JSON into $OUT. Run it inside tests/gpu/with_mps.sh
 # on one GPU (the attention and FFN processes then run concurrently).
 #
-#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop hop_parts host pairs failure dbo e2e e2e_il ep
+#   bash tests/gpu/speed_steps.sh STEP...   STEP: units hop hop_parts hop_bare host pairs failure dbo e2e e2e_il ep
 #
 # MODELS (default 2) and MODES (default default,full_decode_only) narrow the pairs and dbo
 # steps (dbo: dual-batch overlap at attention DP 1 against colocated, issue 34);
@@ -50,12 +50,7 @@ for step in "$@"; do
       # Each flag write kind of AFD_DATA_GPU_FLAG_WRITES and each way of meeting the flags of
       # AFD_DATA_GPU_FLAG_RESETS (afd_data.gpu_protocol), same layers: first the bare hop (a few
       # µs resolve there; beside a 2.9 ms GEMM they do not), then with the work.
-      for resets in each auto each auto; do
-        AFD_DATA_GPU_FLAG_RESETS=$resets timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" \
-          --one-gpu $mps --iters 300 --layers 61 --replays 200 \
-          >> "$OUT/hop_bare_flag_resets.txt" 2>&1 || rc=1
-        tail -1 "$OUT/hop_bare_flag_resets.txt" | cut -c1-700
-      done
+      bash "$ROOT/tests/gpu/speed_steps.sh" hop_bare || rc=1
       for resets in each auto; do
         for flags in stream memset; do
           for rows in 16 64; do
@@ -66,6 +61,15 @@ for step in "$@"; do
             tail -1 "$OUT/hop_work_${flags}_${resets}_rows$rows.txt" | cut -c1-1500
           done
         done
+      done ;;
+    hop_bare)
+      # The bare hop (61 layers a graph, no work beside it) with the flags written back after
+      # each wait (each) and met by bit (auto), interleaved twice: ~15 s a run on one H100.
+      for resets in each auto each auto; do
+        AFD_DATA_GPU_FLAG_RESETS=$resets timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" \
+          --one-gpu $mps --iters 300 --layers 61 --replays 200 \
+          >> "$OUT/hop_bare_flag_resets.txt" 2>&1 || rc=1
+        tail -1 "$OUT/hop_bare_flag_resets.txt" | cut -c1-700
       done ;;
     host)
       # The attention host's step path alone on this host (issue 33): each call's cost, then the
