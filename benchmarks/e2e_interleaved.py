@@ -52,10 +52,12 @@ each busy thread's host time went, per part, beside the TPOT it explains.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -475,18 +477,58 @@ def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]])
     return result
 
 
+ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ("cudagraph_mode", "kv_cache_bytes", "experts", "prompt_tokens", "tokens", "batches")
+# Where a run's figures come from besides what it was asked: the code measured and the card.
+# A state can be carried to a later session (its calls pooled with new ones); these make a
+# pooled call of other code or another card visible (`settings_differ`).
+PROVENANCE = ("source", "gpu")
+# The code a figure measures: the product's (a change to the harness that changes what is
+# measured changes a setting too).
+SOURCE_DIRS = ("afd_ctl", "afd_data", "vllm_ext")
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """A short digest of every Python and proto file under SOURCE_DIRS (paths and contents),
+    so two calls of the same code match whatever git knows (a copied tree, local changes)."""
+    digest = hashlib.sha256()
+    for top in SOURCE_DIRS:
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix in (".py", ".proto"):
+                digest.update(str(path.relative_to(root)).encode() + b"\0")
+                digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name as nvidia-smi gives it (None without one)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """What a run was asked to do, kept with it in --state (calls pooled later are compared)."""
-    return {k: getattr(args, k) for k in SETTINGS if hasattr(args, k)}
+    """What a run was asked to do and what it ran (PROVENANCE), kept with it in --state (calls
+    pooled later are compared)."""
+    settings = {k: getattr(args, k) for k in SETTINGS if hasattr(args, k)}
+    settings["source"] = source_digest()
+    if args.gpu:
+        settings["gpu"] = gpu_name()
+    return settings
 
 
 def settings_that_differ(runs: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Each setting the pooled calls were not all run with alike: its value per call (None for
     a run from before settings were kept)."""
-    per_key = {k: [r.get("settings", {}).get(k) for r in runs] for k in SETTINGS}
+    per_key = {k: [r.get("settings", {}).get(k) for r in runs] for k in SETTINGS + PROVENANCE}
     return {k: v for k, v in per_key.items() if len({json.dumps(x) for x in v}) > 1}
 
 

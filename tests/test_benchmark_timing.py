@@ -409,6 +409,32 @@ def test_several_calls_per_depth_give_means_whose_intervals_hold_the_start_offse
     assert result["fit_afd_batch_16"]["paced_by"] == {"4": "unknown", "6": "gpu"}
 
 
+def test_pooled_calls_of_other_code_or_another_card_are_said_to_differ(tmp_path) -> None:
+    """A state carried to a later session pools its calls with new ones: each call keeps the
+    digest of the product's code it measured and its card, and a pooled depth names both where
+    they differ. The digest follows the product's files, not the benchmarks' or their results."""
+    import argparse
+
+    from benchmarks.e2e_interleaved import run_settings, settings_that_differ, source_digest
+
+    for top in ("afd_ctl", "afd_data", "vllm_ext", "benchmarks"):
+        (tmp_path / top).mkdir(parents=True)
+    (tmp_path / "afd_data" / "gpu_hop.py").write_text("A = 1\n")
+    first = source_digest(tmp_path)
+    (tmp_path / "benchmarks" / "e2e_decode.py").write_text("harness\n")
+    assert source_digest(tmp_path) == first
+    (tmp_path / "afd_data" / "gpu_hop.py").write_text("A = 2\n")
+    assert source_digest(tmp_path) != first
+
+    settings = run_settings(argparse.Namespace(gpu=False, experts=16, batches="16,64"))
+    assert settings["source"] == source_digest() and "gpu" not in settings
+    later = {**settings, "source": first, "gpu": "NVIDIA H200"}
+    assert settings_that_differ([{"settings": settings}, {"settings": later}]) == {
+        "source": [settings["source"], first],
+        "gpu": [None, "NVIDIA H200"],
+    }
+
+
 def test_expected_distinct_experts_under_uniform_routing() -> None:
     from benchmarks.interleave import expected_distinct_experts
 
