@@ -176,10 +176,16 @@ def test_attention_and_ffn_metrics(
     assert advice["answered_after_s"] < 60
     assert advice["recommended"].endswith(":1")
     # A* and its interval; None (JSON's stand-in for infinity) where the FFN never limits, 0
-    # where it limits at every ratio (a loaded host can make the FFN that slow).
+    # where it limits at every ratio (a loaded host can make the FFN that slow). The tiny
+    # model's FFN on CPU can be flat in tokens over the window's sizes (c1 = 0): A* is then
+    # infinite, and so is the interval's low end when nearly every resample is flat too (CI
+    # run of 8b2e77b: "c1=0.000 us/token", A* inf, the JSON interval [None, None]).
     a_star, (lo, hi) = advice["balanced_ratio"], advice["balanced_ratio_interval"]
-    assert lo is not None and lo >= 0, advice
-    assert a_star is None or (lo <= a_star and (hi is None or a_star <= hi)), advice
+    assert lo is None or lo >= 0, advice
+    if a_star is None:
+        assert hi is None, advice
+    else:
+        assert lo is not None and lo <= a_star and (hi is None or a_star <= hi), advice
     loads = {x["role"]: x for x in advice["status"]["loads"]}
     assert set(loads) == {"ATTENTION", "FFN"}
     for load in loads.values():
