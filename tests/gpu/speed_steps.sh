@@ -16,6 +16,18 @@ export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 mps=$([ "${AFD_MPS:-0}" = 1 ] && echo --mps)
 rc=0
+
+hop_bare() {
+  # The bare hop (61 layers a graph, no work beside it) with the flags written back after each
+  # wait (each) and met by bit (auto), interleaved twice: ~15 s a run on one H100.
+  for resets in each auto each auto; do
+    AFD_DATA_GPU_FLAG_RESETS=$resets timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" \
+      --one-gpu $mps --iters 300 --layers 61 --replays 200 \
+      >> "$OUT/hop_bare_flag_resets.txt" 2>&1 || rc=1
+    tail -1 "$OUT/hop_bare_flag_resets.txt" | cut -c1-700
+  done
+}
+
 for step in "$@"; do
   echo "== $step ($(date +%T))"
   case $step in
@@ -50,7 +62,7 @@ for step in "$@"; do
       # Each flag write kind of AFD_DATA_GPU_FLAG_WRITES and each way of meeting the flags of
       # AFD_DATA_GPU_FLAG_RESETS (afd_data.gpu_protocol), same layers: first the bare hop (a few
       # µs resolve there; beside a 2.9 ms GEMM they do not), then with the work.
-      bash "$ROOT/tests/gpu/speed_steps.sh" hop_bare || rc=1
+      hop_bare
       for resets in each auto; do
         for flags in stream memset; do
           for rows in 16 64; do
@@ -63,14 +75,7 @@ for step in "$@"; do
         done
       done ;;
     hop_bare)
-      # The bare hop (61 layers a graph, no work beside it) with the flags written back after
-      # each wait (each) and met by bit (auto), interleaved twice: ~15 s a run on one H100.
-      for resets in each auto each auto; do
-        AFD_DATA_GPU_FLAG_RESETS=$resets timeout 90 python3 "$ROOT/benchmarks/gpu_driven_hop.py" \
-          --one-gpu $mps --iters 300 --layers 61 --replays 200 \
-          >> "$OUT/hop_bare_flag_resets.txt" 2>&1 || rc=1
-        tail -1 "$OUT/hop_bare_flag_resets.txt" | cut -c1-700
-      done ;;
+      hop_bare ;;
     host)
       # The attention host's step path alone on this host (issue 33): each call's cost, then the
       # real AttentionSteps + GPU-driven exchange against a real afd-ctl and FFN process, with
