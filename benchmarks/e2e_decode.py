@@ -630,7 +630,13 @@ def main() -> None:
         default=0.45,
         help="GPU: --gpu-memory-utilization of the colocated engine",
     )
-    il.add_argument("--kv-cache-bytes", type=int, default=8 << 30, help="GPU: each engine's KV")
+    il.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="GPU: each engine's KV cache (default: what the largest batch's requests hold at "
+        "once, plus a margin, at least 1 GiB)",
+    )
     il.add_argument(
         "--experts",
         type=int,

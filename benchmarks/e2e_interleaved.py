@@ -166,6 +166,29 @@ def more_of(args: argparse.Namespace) -> More | None:
     return More(args.interval_bound, args.max_repeats, args.more_budget_s)
 
 
+KV_BLOCK = 16  # vLLM's KV cache block, in tokens
+KV_MARGIN = 256 << 20  # past what the largest batch holds: a block a request and rounding
+
+
+def kv_cache_bytes(args: argparse.Namespace, depth: int, batch: int) -> int:
+    """Each engine's KV cache (--kv-cache-bytes, else sized to the run): the largest batch's
+    requests hold their prompt and decode tokens at once, in whole blocks. Without the flag,
+    what they need plus a margin, at least 1 GiB (a fixed 8 GiB put the 4-layer
+    `--experts 64` pair over an 80 GB card's memory); with it, refused below what they need
+    (they would not decode together)."""
+    per_request = -(-(args.prompt_tokens + args.tokens + 1) // KV_BLOCK) * KV_BLOCK
+    need = batch * per_request * gpu_setup.v3_kv_bytes_per_token(depth)
+    if args.kv_cache_bytes is None:
+        return max(1 << 30, -(-(need + KV_MARGIN) // KV_MARGIN) * KV_MARGIN)
+    if args.kv_cache_bytes < need:
+        raise BenchmarkRefused(
+            f"--kv-cache-bytes {args.kv_cache_bytes}: batch {batch} of {per_request}-token "
+            f"requests at {depth} layers needs {need} bytes of KV cache; give at least that, "
+            "or leave the flag out to size it to the run"
+        )
+    return int(args.kv_cache_bytes)
+
+
 def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]:
     """Every part at one depth, interleaved: their TPOT repeats per batch and reports."""
     from benchmarks.e2e_decode import build_tiny_deepseek, cpu_mla_backend, gpu_llm_kwargs
@@ -183,10 +206,11 @@ def depth_run(args: argparse.Namespace, depth: int, tmp: Path) -> dict[str, Any]
             base["max_model_len"] = model_len(args)
             if args.cudagraph_mode:
                 base["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
+            kv_bytes = kv_cache_bytes(args, depth, max(batches))
             colo_kwargs = dict(base, gpu_memory_utilization=args.colocated_memory,
-                               kv_cache_memory_bytes=args.kv_cache_bytes)  # fmt: skip
+                               kv_cache_memory_bytes=kv_bytes)  # fmt: skip
             attn_kwargs = dict(base, gpu_memory_utilization=gpu_setup.ONE_GPU.attention_memory,
-                               kv_cache_memory_bytes=args.kv_cache_bytes)  # fmt: skip
+                               kv_cache_memory_bytes=kv_bytes)  # fmt: skip
             env = {**gpu_setup.gpu_env("0", extra_path), **ROUTING, "PYTHONUNBUFFERED": "1"}
             runner_extra = ["--gpu", "--prompt-tokens", str(args.prompt_tokens)]
             ffn_flags = [

@@ -100,6 +100,13 @@ def v3_shaped_config(layers: int, experts: int = V3_EXPERTS, max_len: int = 4096
     return config
 
 
+def v3_kv_bytes_per_token(layers: int) -> int:
+    """Bytes of vLLM's KV cache one token takes in the V3-shaped model: MLA keeps the latent
+    (kv_lora_rank) and the rotary key (qk_rope_head_dim) per layer, in bfloat16."""
+    config = v3_shaped_config(layers)
+    return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2 * layers
+
+
 def write_v3_shaped(out: Path, layers: int, experts: int = V3_EXPERTS, max_len: int = 4096) -> Path:
     """config.json and a tokenizer; the weights are vLLM's dummy ones (--load-format dummy)."""
     from vllm_ext.testing.tiny_deepseek import BOS_ID, EOS_ID, build_tokenizer
