@@ -52,10 +52,13 @@ each busy thread's host time went, per part, beside the TPOT it explains.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -506,7 +509,7 @@ SETTINGS = ("cudagraph_mode", "kv_cache_bytes", "experts", "prompt_tokens", "tok
 # Where a run's figures come from besides what it was asked: the code measured and the card.
 # A state can be carried to a later session (its calls pooled with new ones); these make a
 # pooled call of other code or another card visible (`settings_differ`).
-PROVENANCE = ("source", "gpu")
+PROVENANCE = ("source", "gpu", "driver", "host")
 # The code a figure measures: the product's (a change to the harness that changes what is
 # measured changes a setting too).
 SOURCE_DIRS = ("afd_ctl", "afd_data", "vllm_ext")
@@ -524,11 +527,11 @@ def source_digest(root: Path = ROOT) -> str:
     return digest.hexdigest()[:12]
 
 
-def gpu_name() -> str | None:
-    """The first GPU's name as nvidia-smi gives it (None without one)."""
+def gpu_query(field: str) -> str | None:
+    """The first GPU's `field` as nvidia-smi gives it (None without one)."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -539,13 +542,32 @@ def gpu_name() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
+def gpu_name() -> str | None:
+    return gpu_query("name")
+
+
+def host_identity() -> str:
+    """This machine: its host name and CPU model. Two machines of one card kind gave the same
+    colocated TPOT and AFD figures 25 µs a layer apart (the fifteenth session's fit), and a
+    host-paced step follows the CPU: pooled calls say which machine each ran on."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{socket.gethostname()} ({model or platform.processor() or 'cpu unknown'})"
+
+
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """What a run was asked to do and what it ran (PROVENANCE), kept with it in --state (calls
     pooled later are compared)."""
     settings = {k: getattr(args, k) for k in SETTINGS if hasattr(args, k)}
     settings["source"] = source_digest()
+    settings["host"] = host_identity()
     if args.gpu:
         settings["gpu"] = gpu_name()
+        settings["driver"] = gpu_query("driver_version")
     return settings
 
 

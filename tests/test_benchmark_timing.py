@@ -412,8 +412,10 @@ def test_several_calls_per_depth_give_means_whose_intervals_hold_the_start_offse
 def test_pooled_calls_of_other_code_or_another_card_are_said_to_differ(tmp_path) -> None:
     """A state carried to a later session pools its calls with new ones: each call keeps the
     digest of the product's code it measured and its card, and a pooled depth names both where
-    they differ. The digest follows the product's files, not the benchmarks' or their results."""
+    they differ, and the machine each ran on. The digest follows the product's files, not the
+    benchmarks' or their results."""
     import argparse
+    import socket
 
     from benchmarks.e2e_interleaved import run_settings, settings_that_differ, source_digest
 
@@ -428,10 +430,12 @@ def test_pooled_calls_of_other_code_or_another_card_are_said_to_differ(tmp_path)
 
     settings = run_settings(argparse.Namespace(gpu=False, experts=16, batches="16,64"))
     assert settings["source"] == source_digest() and "gpu" not in settings
-    later = {**settings, "source": first, "gpu": "NVIDIA H200"}
+    assert settings["host"].startswith(socket.gethostname())  # which machine ran the call
+    later = {**settings, "source": first, "gpu": "NVIDIA H200", "host": "other (CPU)"}
     assert settings_that_differ([{"settings": settings}, {"settings": later}]) == {
         "source": [settings["source"], first],
         "gpu": [None, "NVIDIA H200"],
+        "host": [settings["host"], "other (CPU)"],
     }
 
 
