@@ -14,9 +14,10 @@
 # .kit/. /tmp/kit/`: .kit/pa with the scripts (.kit/install.sh gen.py gpu_test.sh
 # tiny_model.py SHA256SUMS MANIFEST.txt py_spy.whl), then each other folder alone, the last
 # with this script (it installs). Each transfer costs ~5 s of device time once warm.
-# py-spy for --host-profile-batch: python3 -c "import zipfile;
-# zipfile.ZipFile('/tmp/kit/py_spy.whl').extract('py_spy-0.4.3.data/scripts/py-spy', '/tmp/pyspy')"
-# then chmod +x it and pass --py-spy /tmp/pyspy/py_spy-0.4.3.data/scripts/py-spy.
+# py-spy for --host-profile-batch: with .kit/py_spy.whl in the kit (`pip download --no-deps
+# --only-binary=:all: --platform manylinux1_x86_64 --python-version 3.12 --implementation py
+# --abi none py-spy`, saved as .kit/py_spy.whl before recut_kit.py), its binary is unpacked once
+# and put on PATH, so the benchmark's default `--py-spy py-spy` finds it.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:?OUT is the device call output folder}
@@ -24,6 +25,18 @@ if [ ! -d /tmp/site/vllm ]; then
   bash /tmp/kit/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
   tail -1 "$OUT/install.log"
 fi
+if [ -f /tmp/kit/py_spy.whl ] && ! command -v py-spy > /dev/null; then
+  python3 - <<'PY' || echo "device_call: py-spy could not be unpacked from /tmp/kit/py_spy.whl"
+import os, zipfile
+with zipfile.ZipFile("/tmp/kit/py_spy.whl") as whl:
+    name = next(n for n in whl.namelist() if n.endswith("/scripts/py-spy"))
+    os.makedirs("/tmp/pyspy", exist_ok=True)
+    with whl.open(name) as src, open("/tmp/pyspy/py-spy", "wb") as dst:
+        dst.write(src.read())
+os.chmod("/tmp/pyspy/py-spy", 0o755)
+PY
+fi
+[ -x /tmp/pyspy/py-spy ] && export PATH=/tmp/pyspy:$PATH
 mkdir -p /tmp/state
 # E2E_STATE_SEED=benchmarks/results/..._state.json.xz: a state committed by an earlier session
 # starts this machine's state, so its calls are pooled with this session's (each call keeps the
