@@ -169,7 +169,7 @@ def more_of(args: argparse.Namespace) -> More | None:
     return More(args.interval_bound, args.max_repeats, args.more_budget_s)
 
 
-KV_BLOCK = 16  # vLLM's KV cache block, in tokens
+KV_BLOCK = 16  # vLLM's KV cache block, in tokens (64 under FlashMLA: KV_MARGIN covers the rest)
 KV_MARGIN = 256 << 20  # past what the largest batch holds: a block a request and rounding
 
 
