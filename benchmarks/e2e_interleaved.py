@@ -378,17 +378,39 @@ def depth_fit(depths: dict[int, list[dict[str, Any]]], part: str, batch: int) ->
         return out
     if len(use) < len(depths):
         out["left_out_depths"] = sorted(set(depths) - set(use))
-    tpot = {d: [run["tpot_ms"] for run in depths[d]] for d in use}
-    step, layer = calls_layer_fit(
-        {d: [(t[part][batch], t["colocated"][batch]) for t in tpot[d]] for d in use}
-    )
-    out.update(
-        per_step_added_us=round(step.value, 1),
-        per_step_added_us_interval=step.as_list(1),
-        per_layer_added_us=round(layer.value, 1),
-        per_layer_added_us_interval=layer.as_list(1),
-    )
+    out.update(fitted({d: depths[d] for d in use}, part, batch))
+    hosts = {run.get("settings", {}).get("host") or "unrecorded" for d in use for run in depths[d]}
+    if len(hosts) > 1:
+        # Machines of one card kind differ (the fifteenth session: colocated alike, AFD 25 µs a
+        # layer apart): each machine's own fit, where it ran two of the depths.
+        out["by_host"] = {}
+        for host in sorted(hosts):
+            mine = {
+                d: [r for r in depths[d] if (r.get("settings", {}).get("host") or "unrecorded")
+                    == host]
+                for d in use
+            }  # fmt: skip
+            mine = {d: runs for d, runs in mine.items() if runs}
+            if len(mine) >= 2:
+                out["by_host"][host] = {
+                    **fitted(mine, part, batch),
+                    "calls": sum(map(len, mine.values())),
+                }
     return out
+
+
+def fitted(depths: dict[int, list[dict[str, Any]]], part: str, batch: int) -> dict[str, Any]:
+    """calls_layer_fit of these calls: what `part` adds per step and per layer, with intervals."""
+    step, layer = calls_layer_fit(
+        {d: [(r["tpot_ms"][part][batch], r["tpot_ms"]["colocated"][batch]) for r in runs]
+         for d, runs in depths.items()}
+    )  # fmt: skip
+    return {
+        "per_step_added_us": round(step.value, 1),
+        "per_step_added_us_interval": step.as_list(1),
+        "per_layer_added_us": round(layer.value, 1),
+        "per_layer_added_us_interval": layer.as_list(1),
+    }
 
 
 def summarise(args: argparse.Namespace, depths: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:

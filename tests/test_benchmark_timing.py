@@ -439,6 +439,40 @@ def test_pooled_calls_of_other_code_or_another_card_are_said_to_differ(tmp_path)
     }
 
 
+def test_a_fit_over_calls_of_two_machines_gives_each_machines_own_fit() -> None:
+    """The fifteenth session pooled two H100s' calls: colocated ran alike on both, AFD ~17 µs
+    a layer on one and ~44 on the other. The pooled fit stays; beside it each machine's own."""
+    import argparse
+
+    from benchmarks.e2e_interleaved import summarise
+
+    def run(host: str, depth: int, per_layer_us: float) -> dict:
+        colo = [0.75 * depth + 0.001 * i for i in range(9)]
+        afd = [c + (100 + per_layer_us * depth) / 1e3 for c in colo]
+        return {
+            "tpot_ms": {"colocated": {16: colo}, "afd": {16: afd}},
+            "reports": {"colocated": {}, "afd": {}},
+            "settings": {"host": host},
+        }
+
+    runs = {
+        d: [run("a (EPYC)", d, 17), run("b (EPYC)", d, 44), run("b (EPYC)", d, 44)] for d in (8, 16)
+    }
+    args = argparse.Namespace(
+        part="colocated,afd", gpu=False, batches="16", tokens=64, repeats=9, interval_bound=0.25
+    )
+    result = summarise(args, runs)
+    fit = result["fit_afd_batch_16"]
+    assert 17 < fit["per_layer_added_us"] < 44
+    assert fit["by_host"]["a (EPYC)"]["per_layer_added_us"] == pytest.approx(17, abs=0.5)
+    assert fit["by_host"]["b (EPYC)"]["per_layer_added_us"] == pytest.approx(44, abs=0.5)
+    assert fit["by_host"]["b (EPYC)"]["calls"] == 4
+    assert result["layers_8"]["settings_differ"] == {"host": ["a (EPYC)", "b (EPYC)", "b (EPYC)"]}
+    # One machine (or none recorded): no by_host.
+    one = {d: [run("a (EPYC)", d, 17)] * 2 for d in (8, 16)}
+    assert "by_host" not in summarise(args, one)["fit_afd_batch_16"]
+
+
 def test_expected_distinct_experts_under_uniform_routing() -> None:
     from benchmarks.interleave import expected_distinct_experts
 
