@@ -173,16 +173,20 @@ KV_BLOCK = 16  # vLLM's KV cache block, in tokens (64 under FlashMLA: KV_MARGIN 
 KV_MARGIN = 256 << 20  # past what the largest batch holds: a block a request and rounding
 
 
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def kv_cache_bytes(args: argparse.Namespace, depth: int, batch: int) -> int:
     """Each engine's KV cache (--kv-cache-bytes, else sized to the run): the largest batch's
     requests hold their prompt and decode tokens at once, in whole blocks. Without the flag,
     what they need plus a margin, at least 1 GiB (a fixed 8 GiB put the 4-layer
     `--experts 64` pair over an 80 GB card's memory); with it, refused below what they need
     (they would not decode together)."""
-    per_request = -(-(args.prompt_tokens + args.tokens + 1) // KV_BLOCK) * KV_BLOCK
+    per_request = round_up(args.prompt_tokens + args.tokens + 1, KV_BLOCK)
     need = batch * per_request * gpu_setup.v3_kv_bytes_per_token(depth)
     if args.kv_cache_bytes is None:
-        return max(1 << 30, -(-(need + KV_MARGIN) // KV_MARGIN) * KV_MARGIN)
+        return max(1 << 30, round_up(need + KV_MARGIN, KV_MARGIN))
     if args.kv_cache_bytes < need:
         raise BenchmarkRefused(
             f"--kv-cache-bytes {args.kv_cache_bytes}: batch {batch} of {per_request}-token "
@@ -379,24 +383,24 @@ def depth_fit(depths: dict[int, list[dict[str, Any]]], part: str, batch: int) ->
     if len(use) < len(depths):
         out["left_out_depths"] = sorted(set(depths) - set(use))
     out.update(fitted({d: depths[d] for d in use}, part, batch))
-    hosts = {run.get("settings", {}).get("host") or "unrecorded" for d in use for run in depths[d]}
-    if len(hosts) > 1:
+    by_host: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for d in use:
+        for run in depths[d]:
+            by_host.setdefault(host_of(run), {}).setdefault(d, []).append(run)
+    if len(by_host) > 1:
         # Machines of one card kind differ (the fifteenth session: colocated alike, AFD 25 µs a
         # layer apart): each machine's own fit, where it ran two of the depths.
-        out["by_host"] = {}
-        for host in sorted(hosts):
-            mine = {
-                d: [r for r in depths[d] if (r.get("settings", {}).get("host") or "unrecorded")
-                    == host]
-                for d in use
-            }  # fmt: skip
-            mine = {d: runs for d, runs in mine.items() if runs}
-            if len(mine) >= 2:
-                out["by_host"][host] = {
-                    **fitted(mine, part, batch),
-                    "calls": sum(map(len, mine.values())),
-                }
+        out["by_host"] = {
+            host: {**fitted(mine, part, batch), "calls": sum(map(len, mine.values()))}
+            for host, mine in sorted(by_host.items())
+            if len(mine) >= 2
+        }
     return out
+
+
+def host_of(run: dict[str, Any]) -> str:
+    """The machine a call ran on (its settings' `host`), or "unrecorded" for an older call."""
+    return str(run.get("settings", {}).get("host") or "unrecorded")
 
 
 def fitted(depths: dict[int, list[dict[str, Any]]], part: str, batch: int) -> dict[str, Any]:
@@ -564,10 +568,6 @@ def gpu_query(field: str) -> str | None:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
-def gpu_name() -> str | None:
-    return gpu_query("name")
-
-
 def host_identity() -> str:
     """This machine: its host name and CPU model. Two machines of one card kind gave the same
     colocated TPOT and AFD figures 25 µs a layer apart (the fifteenth session's fit), and a
@@ -588,7 +588,7 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings["source"] = source_digest()
     settings["host"] = host_identity()
     if args.gpu:
-        settings["gpu"] = gpu_name()
+        settings["gpu"] = gpu_query("name")
         settings["driver"] = gpu_query("driver_version")
     return settings
 
